@@ -1,0 +1,55 @@
+"""shmcache: a paged KV cache for LLM inference in shared memory.
+
+Several processes attach to one pool by name and allocate, share, fork and
+free its KV blocks at once; ``shmcache.paged_cache`` has the API of
+``vllm_mlx.paged_cache`` on top of it.
+"""
+
+from __future__ import annotations
+
+from .errors import (CapacityError, IncompatiblePoolError, InsufficientSharedMemoryError,
+                     OutOfBlocksError, PoolClosedError, PoolExistsError, PoolNotFoundError,
+                     ShmCacheError)
+from .paged_cache import PagedCacheManager
+from .pool import Pool
+
+__all__ = ["create_pool", "attach", "destroy", "PagedCacheManager", "ShmCacheError",
+           "PoolNotFoundError", "PoolExistsError", "IncompatiblePoolError",
+           "InsufficientSharedMemoryError", "OutOfBlocksError", "CapacityError",
+           "PoolClosedError"]
+
+
+def create_pool(name: str, *, block_size: int = 64, max_blocks: int = 1000,
+                enable_caching: bool = True, num_layers: int = 1, num_kv_heads: int = 1,
+                head_dim: int = 8, dtype: str = "float16", max_slots: int = 64,
+                max_tables: int | None = None, max_refs: int | None = None) -> PagedCacheManager:
+    """Create the named pool ``/dev/shm/shmcache.<name>`` (mode 0600) and return its manager.
+
+    Raises:
+        PoolExistsError: the name is taken.
+        InsufficientSharedMemoryError: /dev/shm has too little free space.
+        TypeError, ValueError: a bad size, dtype or name.
+    """
+    from . import segment
+    segment.check_name(name)
+    pool = Pool.create(name, block_size=block_size, max_blocks=max_blocks,
+                       enable_caching=enable_caching, num_layers=num_layers,
+                       num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
+                       max_slots=max_slots, max_tables=max_tables, max_refs=max_refs)
+    return PagedCacheManager(_pool=pool)
+
+
+def attach(name: str, timeout: float = 5.0) -> PagedCacheManager:
+    """A manager over the existing pool ``name``, from any process of the same user.
+
+    Raises:
+        PoolNotFoundError: no such pool.
+        IncompatiblePoolError: not a shmcache pool, or another layout version.
+    """
+    return PagedCacheManager(_pool=Pool.attach(name, timeout))
+
+
+def destroy(name: str) -> bool:
+    """Unlink the named pool's segment; True if it existed."""
+    from . import segment
+    return segment.unlink(name)

@@ -1,0 +1,114 @@
+"""The free block queue: a doubly linked list through the block records.
+
+Links are int32 block ids in the records' ``prev``/``next`` fields. Records
+``HEAD = max_blocks`` and ``TAIL = max_blocks + 1`` are sentinels that are
+never popped, so no operation has a boundary branch.
+
+Invariant: walking ``next`` from HEAD reaches TAIL through exactly
+``num_free_blocks`` blocks, ``prev`` mirrors ``next``, and a block is in the
+list iff its ``ref_count`` is 0 and it is not the null block. A block out of
+the list has ``prev == next == -1``.
+NOTE: the front is the eviction end. Freed blocks with no hash go to the
+front (reused first, nothing to lose); cached ones go to the back (MRU), and
+a request frees its blocks tail first, so a chain's last blocks are evicted
+before its first and no cached block is orphaned by losing its parent.
+"""
+
+from __future__ import annotations
+
+from .errors import OutOfBlocksError
+from .layout import C_NUM_FREE
+
+
+class SharedFreeQueue:
+    """The seed's ``FreeKVCacheBlockQueue`` over shared records (ids, not objects)."""
+
+    def __init__(self, pool) -> None:
+        self.p = pool
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.p.c[C_NUM_FREE]
+
+    def popleft_id(self) -> int:
+        p = self.p
+        nxt, prv = p.b_next, p.b_prev
+        b = nxt[p.HEAD]
+        if b == p.TAIL:
+            raise OutOfBlocksError("no free blocks available")
+        n = nxt[b]
+        nxt[p.HEAD] = n
+        prv[n] = p.HEAD
+        prv[b] = nxt[b] = -1
+        p.c[C_NUM_FREE] -= 1
+        return b
+
+    def remove_id(self, b: int) -> None:
+        p = self.p
+        nxt, prv = p.b_next, p.b_prev
+        pr, n = prv[b], nxt[b]
+        if pr < 0 or n < 0:
+            raise RuntimeError(f"Block {b} not in free queue")
+        nxt[pr] = n
+        prv[n] = pr
+        prv[b] = nxt[b] = -1
+        p.c[C_NUM_FREE] -= 1
+
+    def append_id(self, b: int) -> None:
+        p = self.p
+        nxt, prv = p.b_next, p.b_prev
+        last = prv[p.TAIL]
+        nxt[last] = b
+        prv[b] = last
+        nxt[b] = p.TAIL
+        prv[p.TAIL] = b
+        p.c[C_NUM_FREE] += 1
+
+    def appendleft_id(self, b: int) -> None:
+        p = self.p
+        nxt, prv = p.b_next, p.b_prev
+        first = nxt[p.HEAD]
+        prv[first] = b
+        nxt[b] = first
+        prv[b] = p.HEAD
+        nxt[p.HEAD] = b
+        p.c[C_NUM_FREE] += 1
+
+    def ids(self, limit: int | None = None) -> list:
+        p = self.p
+        nxt = p.b_next
+        out = []
+        b = nxt[p.HEAD]
+        cap = p.layout.max_blocks if limit is None else limit
+        while b != p.TAIL and b >= 0 and len(out) <= cap:
+            out.append(b)
+            b = nxt[b]
+        return out
+
+    # ---- the seed's names, over CacheBlock views --------------------------
+    def popleft(self):
+        with self.p.lock:
+            return self.p.view(self.popleft_id())
+
+    def popleft_n(self, n: int) -> list:
+        with self.p.lock:
+            if n > self.num_free_blocks:
+                raise OutOfBlocksError(f"Need {n} blocks, have {self.num_free_blocks}")
+            return [self.p.view(self.popleft_id()) for _ in range(n)]
+
+    def remove(self, block) -> None:
+        with self.p.lock:
+            self.remove_id(block.block_id)
+
+    def append(self, block) -> None:
+        with self.p.lock:
+            self.append_id(block.block_id)
+
+    def append_n(self, blocks) -> None:
+        with self.p.lock:
+            for blk in blocks:
+                self.append_id(blk.block_id)
+
+    def get_all_free_blocks(self) -> list:
+        with self.p.lock:
+            return [self.p.view(b) for b in self.ids()]

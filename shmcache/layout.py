@@ -1,0 +1,218 @@
+"""Byte map of a shmcache pool segment.
+
+A pool is one file in /dev/shm (``shmcache.<name>``), mapped by every process
+that attaches. Every offset below is computed from the header's parameters by
+:func:`compute_layout`, so a reader of the header finds every section. All
+integers are little-endian; every section starts on a 64-byte boundary.
+
+    offset            size                      section
+    ----------------  ------------------------  ------------------------------
+    0                 HEADER_SIZE (4096)        header: HEADER_DTYPE (one record)
+    4096              COUNTERS_SIZE (512)       counters: int64[64], see C_*
+    4608              max_slots * 64            slots: SLOT_DTYPE, one per
+                                                attached manager
+    slots_off+...     (max_blocks + 2) * 36     blocks: BLOCK_DTYPE; records
+                                                max_blocks and max_blocks + 1
+                                                are the free list's head and
+                                                tail sentinels
+    hash_off          hash_capacity * 4         prefix index: int32 block_id
+                                                per slot, -1 empty (linear
+                                                probing, power-of-2 capacity)
+    refs_off          max_refs * 8              references: REF_DTYPE; one
+                                                record per reference held
+    tables_off        max_tables * 96           block tables: TABLE_DTYPE
+    tindex_off        table_capacity * 4        request-id index: int32 table
+                                                index per slot, -1 empty
+    arena_off         num_layers * 2 * num_kv_heads * max_blocks
+                        * block_size * head_dim * itemsize
+                                                KV payload, shaped
+                                                (L, 2, H, max_blocks, T, D):
+                                                one layer's K (or V) for all
+                                                blocks is contiguous per head
+
+Byte ranges [LIVENESS_OFF + slot] of the file (inside the header, never
+written) carry each attached manager's OFD lock: the kernel drops it when the
+holder's open file description goes, so "can I lock that byte?" answers "is
+the holder gone?". The whole file is also the target of the pool lock
+(``flock``), which is independent of OFD byte locks on Linux.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+MAGIC = b"SHMCACH1"
+LAYOUT_VERSION = 3
+HEADER_SIZE = 4096
+COUNTERS_SIZE = 512
+LIVENESS_OFF = 2048          # inside the header, past HEADER_DTYPE
+MAX_SLOTS_LIMIT = 1024        # liveness bytes must fit in the header
+RID_BYTES = 64
+DTYPES = {"float16": 1, "bfloat16": 2, "float32": 3}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+HEADER_DTYPE = np.dtype([
+    ("magic", "S8"),
+    ("version", "<u4"),
+    ("ready", "<u4"),
+    ("block_size", "<i4"),
+    ("max_blocks", "<i4"),
+    ("enable_caching", "<i4"),
+    ("num_layers", "<i4"),
+    ("num_kv_heads", "<i4"),
+    ("head_dim", "<i4"),
+    ("dtype_code", "<i4"),
+    ("max_slots", "<i4"),
+    ("max_tables", "<i4"),
+    ("max_refs", "<i4"),
+    ("hash_capacity", "<i4"),
+    ("table_capacity", "<i4"),
+    ("creator_pid", "<i8"),
+    ("creator_start", "<f8"),
+    ("created_at", "<f8"),
+    ("seed", "V16"),
+    ("total_size", "<i8"),
+])
+
+# Counter slots (int64). Derived ones are rebuilt by recovery.
+C_DIRTY = 0            # 1 while a holder of the lock is mutating
+C_NUM_FREE = 1         # blocks in the free list
+C_FREE_REF = 2         # head of the unused reference-record list, -1 if none
+C_HITS = 3
+C_MISSES = 4
+C_COW = 5
+C_EVICTIONS = 6
+C_RECOVERIES = 7       # times a dirty pool was repaired
+C_RECLAIMED = 8        # references released from dead holders, all time
+C_LOCK_WAIT_NS = 9     # longest wait for the pool lock seen
+C_NUM_TABLES = 10
+C_OPS = 11             # lock holds that ended cleanly
+C_FREE_REFS = 12       # unused reference records
+C_EPOCH = 13           # bumped when records move under live managers (repair, clear)
+NUM_COUNTERS = 64
+
+SLOT_DTYPE = np.dtype([
+    ("pid", "<i8"),
+    ("start_time", "<f8"),
+    ("attached_at", "<f8"),
+    ("state", "<i4"),       # 0 free, 1 active
+    ("loose_head", "<i4"),  # head of this slot's loose-reference list
+    ("loose_count", "<i4"),
+    ("_pad", "V28"),
+])
+
+BLOCK_DTYPE = np.dtype([
+    ("ref_count", "<i4"),
+    ("prev", "<i4"),
+    ("next", "<i4"),
+    ("flags", "<u2"),
+    ("token_count", "<u2"),
+    ("last_access", "<f4"),   # seconds since the pool's created_at
+    ("hash", "V16"),          # chain hash, valid when FLAG_CACHED
+])
+BLOCK_HASH_OFF = 20           # byte offset of "hash" inside a record
+HASH_BYTES = 16
+FLAG_NULL = 1
+FLAG_CACHED = 2
+
+REF_DTYPE = np.dtype([
+    ("block_id", "<i4"),   # -1 when the record is unused
+    ("next", "<i4"),
+])
+
+TABLE_DTYPE = np.dtype([
+    ("request_id", f"S{RID_BYTES}"),
+    ("rid_hash", "<u8"),
+    ("state", "<i4"),      # 0 free, 1 live (written last on create)
+    ("owner", "<i4"),      # slot that owns (and on death releases) it
+    ("head", "<i4"),
+    ("tail", "<i4"),
+    ("length", "<i4"),
+    ("num_tokens", "<i4"),
+])
+
+for _dt, _size in ((SLOT_DTYPE, 64), (BLOCK_DTYPE, 36), (REF_DTYPE, 8), (TABLE_DTYPE, 96)):
+    assert _dt.itemsize == _size, (_dt, _dt.itemsize)
+assert HEADER_DTYPE.itemsize <= LIVENESS_OFF
+
+
+def _align(n: int, a: int = 64) -> int:
+    return (n + a - 1) // a * a
+
+
+def _pow2_at_least(n: int) -> int:
+    p = 1
+    while p < n:
+        p <<= 1
+    return p
+
+
+@dataclass(frozen=True)
+class Layout:
+    block_size: int
+    max_blocks: int
+    enable_caching: bool
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    max_slots: int
+    max_tables: int
+    max_refs: int
+    hash_capacity: int
+    table_capacity: int
+    counters_off: int
+    slots_off: int
+    blocks_off: int
+    hash_off: int
+    refs_off: int
+    tables_off: int
+    tindex_off: int
+    arena_off: int
+    arena_size: int
+    total_size: int
+
+    @property
+    def metadata_size(self) -> int:
+        return self.arena_off
+
+    @property
+    def arena_shape(self) -> tuple:
+        return (self.num_layers, 2, self.num_kv_heads, self.max_blocks,
+                self.block_size, self.head_dim)
+
+
+def compute_layout(block_size: int, max_blocks: int, enable_caching: bool,
+                   num_layers: int, num_kv_heads: int, head_dim: int,
+                   dtype: str, max_slots: int, max_tables: int,
+                   max_refs: int) -> Layout:
+    hash_capacity = _pow2_at_least(max(2 * max_blocks, 16))
+    table_capacity = _pow2_at_least(max(2 * max_tables, 16))
+    counters_off = HEADER_SIZE
+    slots_off = counters_off + COUNTERS_SIZE
+    blocks_off = _align(slots_off + max_slots * SLOT_DTYPE.itemsize)
+    hash_off = _align(blocks_off + (max_blocks + 2) * BLOCK_DTYPE.itemsize)
+    refs_off = _align(hash_off + hash_capacity * 4)
+    tables_off = _align(refs_off + max_refs * REF_DTYPE.itemsize)
+    tindex_off = _align(tables_off + max_tables * TABLE_DTYPE.itemsize)
+    arena_off = _align(tindex_off + table_capacity * 4, 4096)
+    arena_size = (num_layers * 2 * num_kv_heads * max_blocks * block_size
+                  * head_dim * ITEMSIZE[dtype])
+    total = _align(arena_off + arena_size, 4096)
+    return Layout(block_size, max_blocks, bool(enable_caching), num_layers,
+                  num_kv_heads, head_dim, dtype, max_slots, max_tables,
+                  max_refs, hash_capacity, table_capacity, counters_off,
+                  slots_off, blocks_off, hash_off, refs_off, tables_off,
+                  tindex_off, arena_off, arena_size, total)
+
+
+def layout_from_header(hdr) -> Layout:
+    return compute_layout(
+        int(hdr["block_size"]), int(hdr["max_blocks"]),
+        bool(hdr["enable_caching"]), int(hdr["num_layers"]),
+        int(hdr["num_kv_heads"]), int(hdr["head_dim"]),
+        DTYPE_NAMES[int(hdr["dtype_code"])], int(hdr["max_slots"]),
+        int(hdr["max_tables"]), int(hdr["max_refs"]))

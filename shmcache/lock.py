@@ -1,0 +1,113 @@
+"""The pool lock and the liveness bytes.
+
+The pool lock is ``flock`` on the segment file: any process opens it by name,
+and the kernel releases it when the holder dies, so a SIGKILLed holder blocks
+nobody. Each manager opens the file itself (an ``flock`` belongs to the open
+file description, so descriptors shared across ``fork`` would not exclude
+each other); a thread lock orders the threads of one manager.
+
+NOTE: a holder that dies mid-update leaves half-linked lists behind. Every
+holder sets the ``dirty`` counter when it takes the lock and clears it when
+it leaves cleanly; whoever next takes the lock and finds it set runs
+``on_dirty`` (a full rebuild of the derived state) before going on.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import struct
+import threading
+import time
+
+from .errors import ShmCacheError
+from .layout import C_DIRTY, C_LOCK_WAIT_NS, C_OPS
+
+# struct flock on Linux (x86-64 and aarch64): short, short, off_t, off_t, pid_t
+_FLOCK = "hhqqi4x"
+
+# Exceptions our operations raise only before they change anything
+# (check-then-commit), so the pool stays clean when they escape.
+CLEAN_ERRORS = (ValueError, TypeError, KeyError, IndexError, ShmCacheError)
+
+
+def ofd_lock(fd: int, offset: int) -> bool:
+    """Take an OFD write lock on one byte; False if another description holds it."""
+    arg = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, offset, 1, 0)
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, arg)
+        return True
+    except (BlockingIOError, PermissionError):
+        return False
+
+
+def ofd_unlock(fd: int, offset: int) -> None:
+    arg = struct.pack(_FLOCK, fcntl.F_UNLCK, os.SEEK_SET, offset, 1, 0)
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, arg)
+
+
+def ofd_held_by_other(fd: int, offset: int) -> bool:
+    """True when an open file description other than ``fd``'s holds the byte."""
+    arg = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, offset, 1, 0)
+    res = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, arg)
+    return struct.unpack(_FLOCK, res)[0] != fcntl.F_UNLCK
+
+
+class PoolLock:
+    """Reentrant inter-process lock over one pool, with a dirty mark.
+
+    ``counters`` is the pool's int64 counter memoryview. ``on_dirty`` runs with
+    the lock held when the previous holder did not leave cleanly.
+    """
+
+    def __init__(self, fd: int, counters, on_dirty) -> None:
+        self.fd = fd
+        self._c = counters
+        self._on_dirty = on_dirty
+        self._tlock = threading.RLock()
+        self._depth = 0
+
+    def __enter__(self):
+        self._tlock.acquire()
+        if self._depth == 0:
+            try:
+                try:
+                    fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    t0 = time.perf_counter_ns()
+                    fcntl.flock(self.fd, fcntl.LOCK_EX)
+                    waited = time.perf_counter_ns() - t0
+                    if waited > self._c[C_LOCK_WAIT_NS]:
+                        self._c[C_LOCK_WAIT_NS] = waited
+            except BaseException:
+                self._tlock.release()
+                raise
+            self._depth = 1
+            if self._c[C_DIRTY]:
+                self._c[C_DIRTY] = 1
+                self._on_dirty()
+            self._c[C_DIRTY] = 1
+        else:
+            self._depth += 1
+        return self
+
+    def __exit__(self, et, ev, tb):
+        self._depth -= 1
+        if self._depth == 0:
+            try:
+                if et is not None and not issubclass(et, CLEAN_ERRORS):
+                    # Interrupted mid-update (KeyboardInterrupt, a bug):
+                    # repair now, while we still hold the lock.
+                    self._on_dirty()
+                self._c[C_OPS] += 1
+                self._c[C_DIRTY] = 0
+            finally:
+                fcntl.flock(self.fd, fcntl.LOCK_UN)
+                self._tlock.release()
+        else:
+            self._tlock.release()
+        return False
+
+    @property
+    def held(self) -> bool:
+        return self._depth > 0

@@ -1,0 +1,314 @@
+"""A mapped pool segment: creation, attaching, the views every module uses.
+
+``Pool`` owns the file descriptor, the mapping and one slot in the slot table
+(the identity under which this manager holds references). It knows nothing
+of the paged-cache API; ``PagedCacheManager`` builds that on top.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import weakref
+
+import numpy as np
+import psutil
+
+from . import layout as L
+from . import segment
+from .index import OpenIndex
+from .errors import CapacityError, IncompatiblePoolError, PoolClosedError
+from .lock import PoolLock, ofd_held_by_other, ofd_lock, ofd_unlock
+
+_live_pools: "weakref.WeakSet[Pool]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # The child shares the parent's open file descriptions, so its flock and
+    # liveness byte would be the parent's. It must attach() on its own.
+    for p in list(_live_pools):
+        p._forked = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+_START_TIME = {}
+
+
+def process_start_time(pid: int) -> float:
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return 0.0
+
+
+def _positive_int(name: str, v, minimum: int = 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    if v < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {v}")
+    return int(v)
+
+
+class Pool:
+    """One manager's view of a pool segment (not thread-safe by itself;
+    callers hold ``lock``)."""
+
+    def __init__(self, name: str, fd: int, mm, lay: L.Layout, creator: bool, private: bool):
+        self.name = name
+        self.fd = fd
+        self.mm = mm
+        self.layout = lay
+        self.creator = creator
+        self.private = private
+        self.closed = False
+        self._forked = False
+        self.slot = -1
+        self._map_views()
+        self.lock = PoolLock(fd, self.c, self._on_dirty)
+        self.on_dirty = None        # set by the manager: repair + reclaim
+        _live_pools.add(self)
+
+    # ------------------------------------------------------------------ setup
+    @classmethod
+    def create(cls, name: str, *, block_size=64, max_blocks=1000, enable_caching=True,
+               num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16",
+               max_slots=64, max_tables=None, max_refs=None, private=False) -> "Pool":
+        block_size = _positive_int("block_size", block_size)
+        if block_size > 65535:
+            raise ValueError(f"block_size must be <= 65535, got {block_size}")
+        max_blocks = _positive_int("max_blocks", max_blocks, 2)
+        if max_blocks > 2**31 - 3:
+            raise ValueError(f"max_blocks must be < 2**31 - 2, got {max_blocks}")
+        num_layers = _positive_int("num_layers", num_layers, 0)
+        num_kv_heads = _positive_int("num_kv_heads", num_kv_heads)
+        head_dim = _positive_int("head_dim", head_dim)
+        if dtype not in L.DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(L.DTYPES)}, got {dtype!r}")
+        max_slots = _positive_int("max_slots", max_slots)
+        if max_slots > L.MAX_SLOTS_LIMIT:
+            raise ValueError(f"max_slots must be <= {L.MAX_SLOTS_LIMIT}, got {max_slots}")
+        if max_tables is None:
+            max_tables = min(max(64, max_blocks), 4096)
+        max_tables = _positive_int("max_tables", max_tables)
+        if max_refs is None:
+            max_refs = 2 * max_blocks + 256
+        max_refs = _positive_int("max_refs", max_refs)
+        lay = L.compute_layout(block_size, max_blocks, enable_caching, num_layers,
+                               num_kv_heads, head_dim, dtype, max_slots, max_tables, max_refs)
+        fd = segment.create_file(name, lay.total_size)
+        try:
+            mm = segment.map_fd(fd, lay.total_size)
+            if private:
+                # Nobody attaches to a private pool: unlink now, so that not
+                # even a SIGKILL of this process leaves it in /dev/shm.
+                segment.unlink(name)
+            pool = cls(name, fd, mm, lay, creator=True, private=private)
+            pool._initialise()
+        except BaseException:
+            if not private:
+                segment.unlink(name)
+            os.close(fd)
+            raise
+        pool._take_slot()
+        return pool
+
+    @classmethod
+    def attach(cls, name: str, timeout: float = 5.0) -> "Pool":
+        fd = segment.open_file(name)
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                size = os.fstat(fd).st_size
+                if size >= L.HEADER_SIZE:
+                    hdr = np.frombuffer(os.pread(fd, L.HEADER_DTYPE.itemsize, 0), L.HEADER_DTYPE)[0]
+                    if bytes(hdr["magic"]) != L.MAGIC:
+                        raise IncompatiblePoolError(
+                            f"{segment.path_for(name)} is not a shmcache pool (bad magic)")
+                    if int(hdr["version"]) != L.LAYOUT_VERSION:
+                        raise IncompatiblePoolError(
+                            f"pool {name!r} has layout version {int(hdr['version'])}; "
+                            f"this shmcache reads version {L.LAYOUT_VERSION}")
+                    if int(hdr["ready"]) == 1:
+                        break
+                if time.monotonic() > deadline:
+                    raise IncompatiblePoolError(
+                        f"pool {name!r} was never initialised (size {size}, no ready header)")
+                time.sleep(0.01)
+            lay = L.layout_from_header(hdr)
+            if size < lay.total_size:
+                raise IncompatiblePoolError(
+                    f"pool {name!r} is {size} bytes, its header says {lay.total_size}")
+            mm = segment.map_fd(fd, lay.total_size)
+        except BaseException:
+            os.close(fd)
+            raise
+        pool = cls(name, fd, mm, lay, creator=False, private=False)
+        pool._take_slot()
+        return pool
+
+    def _map_views(self) -> None:
+        lay, mm = self.layout, self.mm
+        self.raw = memoryview(mm)
+        self.header = np.frombuffer(mm, L.HEADER_DTYPE, 1, 0)
+        self.counters = np.frombuffer(mm, np.int64, L.NUM_COUNTERS, lay.counters_off)
+        self.c = memoryview(self.counters)
+        self.slots = np.frombuffer(mm, L.SLOT_DTYPE, lay.max_slots, lay.slots_off)
+        self.blocks = np.frombuffer(mm, L.BLOCK_DTYPE, lay.max_blocks + 2, lay.blocks_off)
+        self.hidx = np.frombuffer(mm, np.int32, lay.hash_capacity, lay.hash_off)
+        self.refs = np.frombuffer(mm, L.REF_DTYPE, lay.max_refs, lay.refs_off)
+        self.tables = np.frombuffer(mm, L.TABLE_DTYPE, lay.max_tables, lay.tables_off)
+        self.tidx = np.frombuffer(mm, np.int32, lay.table_capacity, lay.tindex_off)
+        b = self.blocks
+        self.b_ref = memoryview(b["ref_count"])
+        self.b_prev = memoryview(b["prev"])
+        self.b_next = memoryview(b["next"])
+        self.b_flags = memoryview(b["flags"])
+        self.b_tok = memoryview(b["token_count"])
+        self.b_last = memoryview(b["last_access"])
+        self.r_block = memoryview(self.refs["block_id"])
+        self.r_next = memoryview(self.refs["next"])
+        t = self.tables
+        self.t_state = memoryview(t["state"])
+        self.t_owner = memoryview(t["owner"])
+        self.t_head = memoryview(t["head"])
+        self.t_tail = memoryview(t["tail"])
+        self.t_len = memoryview(t["length"])
+        self.t_tok = memoryview(t["num_tokens"])
+        self.s_head = memoryview(self.slots["loose_head"])
+        self.s_count = memoryview(self.slots["loose_count"])
+        raw = self.raw
+        boff = lay.blocks_off + L.BLOCK_HASH_OFF
+        isz = L.BLOCK_DTYPE.itemsize
+        self.hhome = lambda e: int.from_bytes(raw[boff + e * isz: boff + e * isz + 8], "little")
+        self.hindex = OpenIndex(memoryview(self.hidx), self.hhome,
+                                lambda e, key: raw[boff + e * isz: boff + e * isz + 16] == key)
+        rids, rhash = self.tables["request_id"], self.tables["rid_hash"]
+        self.tindex = OpenIndex(memoryview(self.tidx), lambda e: int(rhash[e]),
+                                lambda e, key: rids[e] == key)
+        self.HEAD = lay.max_blocks
+        self.TAIL = lay.max_blocks + 1
+        h = self.header[0]
+        self.created_at = float(h["created_at"])
+        self.seed = bytes(h["seed"])
+        if lay.num_layers:
+            np_dtype = {"float16": np.float16, "float32": np.float32, "bfloat16": np.uint16}[lay.dtype]
+            self.arena = np.frombuffer(mm, np_dtype, int(np.prod(lay.arena_shape)),
+                                       lay.arena_off).reshape(lay.arena_shape)
+        else:
+            self.arena = None
+
+    def _initialise(self) -> None:
+        lay = self.layout
+        h = self.header
+        h["magic"] = L.MAGIC
+        h["version"] = L.LAYOUT_VERSION
+        for k in ("block_size", "max_blocks", "num_layers", "num_kv_heads", "head_dim",
+                  "max_slots", "max_tables", "max_refs", "hash_capacity", "table_capacity"):
+            h[k] = getattr(lay, k)
+        h["enable_caching"] = int(lay.enable_caching)
+        h["dtype_code"] = L.DTYPES[lay.dtype]
+        h["creator_pid"] = os.getpid()
+        h["creator_start"] = process_start_time(os.getpid())
+        h["created_at"] = time.time()
+        h["seed"] = np.frombuffer(os.urandom(16), "V16")[0]
+        h["total_size"] = lay.total_size
+        self.created_at = float(h[0]["created_at"])
+        self.seed = bytes(h[0]["seed"])
+        n = lay.max_blocks
+        b = self.blocks
+        ids = np.arange(n + 2, dtype=np.int32)
+        b["prev"] = ids - 1
+        b["next"] = ids + 1
+        # free list: HEAD -> 1 -> ... -> n-1 -> TAIL; block 0 is the null block
+        b["next"][self.HEAD] = 1
+        b["prev"][1] = self.HEAD
+        b["next"][n - 1] = self.TAIL
+        b["prev"][self.TAIL] = n - 1
+        b["prev"][self.HEAD] = -1
+        b["next"][self.TAIL] = -1
+        b["prev"][0] = b["next"][0] = -1
+        b["ref_count"][0] = 1
+        b["flags"][0] = L.FLAG_NULL
+        self.c[L.C_NUM_FREE] = n - 1
+        r = self.refs
+        r["block_id"] = -1
+        r["next"] = np.arange(1, lay.max_refs + 1, dtype=np.int32)
+        r["next"][-1] = -1
+        self.c[L.C_FREE_REF] = 0
+        self.c[L.C_FREE_REFS] = lay.max_refs
+        self.hidx[:] = -1
+        self.tidx[:] = -1
+        h["ready"] = 1
+
+    # ------------------------------------------------------------------ slots
+    def _liveness_off(self, slot: int) -> int:
+        return L.LIVENESS_OFF + slot
+
+    def slot_alive(self, slot: int) -> bool:
+        if slot == self.slot:
+            return True
+        return ofd_held_by_other(self.fd, self._liveness_off(slot))
+
+    def dead_slots(self) -> list:
+        st = self.slots["state"]
+        return [int(s) for s in np.flatnonzero(st == 1) if not self.slot_alive(int(s))]
+
+    def _take_slot(self) -> None:
+        with self.lock:
+            st = self.slots["state"]
+            for s in np.flatnonzero(st == 0).tolist() + np.flatnonzero(st == 1).tolist():
+                if st[s] == 1:
+                    if self.slot_alive(s) or self.on_dirty is None:
+                        continue
+                if ofd_lock(self.fd, self._liveness_off(s)):
+                    sl = self.slots[s]
+                    sl["pid"] = os.getpid()
+                    sl["start_time"] = process_start_time(os.getpid())
+                    sl["attached_at"] = time.time()
+                    sl["loose_head"] = -1
+                    sl["loose_count"] = 0
+                    sl["state"] = 1
+                    self.slot = int(s)
+                    return
+            raise CapacityError(
+                f"pool {self.name!r} has no free slot: all {self.layout.max_slots} "
+                "are attached by live processes (create it with a larger max_slots)")
+
+    def release_slot(self) -> None:
+        if self.slot >= 0:
+            self.slots["state"][self.slot] = 0
+            ofd_unlock(self.fd, self._liveness_off(self.slot))
+            self.slot = -1
+
+    def _on_dirty(self) -> None:
+        if self.on_dirty is not None:
+            self.on_dirty()
+
+    def check_usable(self) -> None:
+        if self.closed:
+            raise PoolClosedError(f"manager of pool {self.name!r} is closed")
+        if self._forked:
+            raise PoolClosedError(
+                f"manager of pool {self.name!r} was inherited across fork; "
+                "call shmcache.attach() in the child")
+
+    def now(self) -> float:
+        return time.time() - self.created_at
+
+    def unmap(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        _live_pools.discard(self)
+        for k in list(vars(self)):
+            if k.startswith(("b_", "r_", "t_", "s_")) or k in (
+                    "c", "raw", "header", "counters", "slots", "blocks", "hidx",
+                    "refs", "tables", "tidx", "arena", "hindex", "tindex", "hhome"):
+                setattr(self, k, None)
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # a caller still holds a view; the mapping goes with it
+        if not self._forked:
+            os.close(self.fd)

@@ -1,0 +1,315 @@
+"""Live views of shared records, shaped like the seed's objects.
+
+A view holds only (manager, id): every attribute read or write goes to
+shared memory, so two processes looking at block 7 see the same thing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from .blocks import BlockTable, CacheBlock, CacheStats
+from .layout import C_COW, C_EVICTIONS, C_HITS, C_MISSES, FLAG_CACHED, FLAG_NULL
+
+
+class SharedBlock(CacheBlock):
+    """A ``CacheBlock`` that is a live view of block ``block_id`` of a pool."""
+
+    def __init__(self, mgr, block_id: int) -> None:  # noqa: super not called on purpose
+        object.__setattr__(self, "_m", mgr)
+        object.__setattr__(self, "_id", block_id)
+
+    block_id = property(lambda self: self._id)
+
+    @property
+    def ref_count(self) -> int:
+        return self._m._p.b_ref[self._id]
+
+    @ref_count.setter
+    def ref_count(self, v: int) -> None:
+        self._m._set_ref_count(self._id, v)
+
+    @property
+    def token_count(self) -> int:
+        return self._m._p.b_tok[self._id]
+
+    @token_count.setter
+    def token_count(self, v: int) -> None:
+        self._m._set_token_count(self._id, v)
+
+    @property
+    def block_hash(self):
+        return self._m._block_hash(self._id)
+
+    @block_hash.setter
+    def block_hash(self, v) -> None:
+        self._m._set_block_hash(self._id, v)
+
+    @property
+    def hash_value(self):
+        h = self._m._block_hash(self._id)
+        return h.hex() if h is not None else None
+
+    @hash_value.setter
+    def hash_value(self, v) -> None:
+        if v is None:
+            self._m._set_block_hash(self._id, None)
+
+    @property
+    def last_access(self) -> float:
+        return self._m._p.created_at + self._m._p.b_last[self._id]
+
+    @last_access.setter
+    def last_access(self, v: float) -> None:
+        self._m._p.b_last[self._id] = v - self._m._p.created_at
+
+    @property
+    def is_null(self) -> bool:
+        return bool(self._m._p.b_flags[self._id] & FLAG_NULL)
+
+    @is_null.setter
+    def is_null(self, v) -> None:
+        if bool(v) != self.is_null:
+            raise AttributeError("the null block of a pool is fixed at block 0")
+
+    def _neighbour(self, b: int):
+        p = self._m._p
+        if b < 0:
+            return None
+        if b >= p.layout.max_blocks:
+            return CacheBlock(block_id=-1 if b == p.HEAD else -2)
+        return SharedBlock(self._m, b)
+
+    prev_free_block = property(lambda self: self._neighbour(self._m._p.b_prev[self._id]))
+    next_free_block = property(lambda self: self._neighbour(self._m._p.b_next[self._id]))
+
+    @property
+    def cache_data(self):
+        return self._m._block_payload(self._id)
+
+    @cache_data.setter
+    def cache_data(self, v) -> None:
+        if v is not None:
+            self._m._set_block_payload(self._id, v)
+
+    def touch(self) -> None:
+        self._m._p.b_last[self._id] = self._m._p.now()
+
+    def reset_hash(self) -> None:
+        self._m._set_block_hash(self._id, None)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, SharedBlock):
+            return self._m._p is other._m._p and self._id == other._id
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((id(self._m._p), self._id))
+
+
+class SharedBlockTable(BlockTable):
+    """A ``BlockTable`` that is a live view of a table in shared memory.
+
+    ``block_ids`` is a fresh list read from the pool on each access; change
+    a table through the manager (or ``add_block``), not by mutating the list.
+    """
+
+    def __init__(self, mgr, t: int, request_id: str, rid_hash: int) -> None:  # noqa
+        object.__setattr__(self, "_m", mgr)
+        object.__setattr__(self, "_t", t)
+        object.__setattr__(self, "_rid", request_id)
+        object.__setattr__(self, "_rh", rid_hash)
+
+    request_id = property(lambda self: self._rid)
+
+    @property
+    def block_ids(self) -> list:
+        with self._m._p.lock:
+            return self._m._refs.table_blocks(self._m._table_index(self))
+
+    @property
+    def num_tokens(self) -> int:
+        return self._m._p.t_tok[self._m._table_index(self)]
+
+    @num_tokens.setter
+    def num_tokens(self, v: int) -> None:
+        with self._m._p.lock:
+            self._m._p.t_tok[self._m._table_index(self)] = int(v)
+
+    @property
+    def owner_slot(self) -> int:
+        return self._m._p.t_owner[self._m._table_index(self)]
+
+    def add_block(self, block_id: int, num_tokens: int) -> None:
+        self._m._table_add(self, block_id, num_tokens, set_block_tokens=False)
+
+    def __len__(self) -> int:
+        return self._m._p.t_len[self._m._table_index(self)]
+
+    def copy(self, new_request_id: str) -> BlockTable:
+        return BlockTable(new_request_id, self.block_ids, self.num_tokens)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, SharedBlockTable):
+            return self._m._p is other._m._p and self._t == other._t and self._rh == other._rh
+        return NotImplemented
+
+    __hash__ = object.__hash__
+
+    def __repr__(self) -> str:
+        try:
+            return (f"SharedBlockTable(request_id={self._rid!r}, "
+                    f"block_ids={self.block_ids}, num_tokens={self.num_tokens})")
+        except KeyError:
+            return f"SharedBlockTable(request_id={self._rid!r}, deleted)"
+
+
+class _View(Mapping):
+    def __init__(self, mgr) -> None:
+        self._m = mgr
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({dict(self.items())!r})"
+
+
+class AllocatedBlocksView(_View):
+    """block_id -> live ``CacheBlock`` for every block with ref_count > 0."""
+
+    def __getitem__(self, block_id):
+        m = self._m
+        if not isinstance(block_id, int) or not 0 <= block_id < m.max_blocks or m._p.b_ref[block_id] <= 0:
+            raise KeyError(block_id)
+        return SharedBlock(m, block_id)
+
+    def __contains__(self, block_id) -> bool:
+        m = self._m
+        return isinstance(block_id, int) and 0 <= block_id < m.max_blocks and m._p.b_ref[block_id] > 0
+
+    def __iter__(self):
+        import numpy as np
+        return iter(np.flatnonzero(self._m._p.blocks["ref_count"][: self._m.max_blocks] > 0).tolist())
+
+    def __len__(self) -> int:
+        return int((self._m._p.blocks["ref_count"][: self._m.max_blocks] > 0).sum())
+
+
+class RequestTablesView(_View):
+    """request_id -> live ``BlockTable`` for every table in the pool."""
+
+    def __getitem__(self, rid):
+        t = self._m.get_block_table(rid)
+        if t is None:
+            raise KeyError(rid)
+        return t
+
+    def __contains__(self, rid) -> bool:
+        return isinstance(rid, str) and self._m.get_block_table(rid) is not None
+
+    def __iter__(self):
+        return iter(self._m._table_ids())
+
+    def __len__(self) -> int:
+        return len(self._m._table_ids())
+
+
+class LegacyHashView(_View):
+    """The seed's ``hash_to_block`` (hex hash -> block_id), over chain hashes.
+
+    NOTE: keys are the hex of *chain* hashes, so a lookup can only match a
+    block at the same position after the same prefix (the seed's per-block
+    index could hand back a block from another position).
+    """
+
+    def __getitem__(self, key):
+        try:
+            h = bytes.fromhex(key)
+        except (TypeError, ValueError):
+            raise KeyError(key) from None
+        b = self._m._lookup_hash(h)
+        if b < 0:
+            raise KeyError(key)
+        return b
+
+    def __iter__(self):
+        m = self._m
+        return iter([m._block_hash(b).hex() for b in m._cached_ids()])
+
+    def __len__(self) -> int:
+        return len(self._m._cached_ids())
+
+
+class SharedHashMap:
+    """The seed's ``BlockHashToBlockMap`` over the pool's shared index."""
+
+    def __init__(self, mgr) -> None:
+        self._m = mgr
+
+    def get_block(self, block_hash):
+        b = self._m._lookup_hash(bytes(block_hash))
+        return SharedBlock(self._m, b) if b >= 0 else None
+
+    def insert(self, block_hash, block) -> None:
+        self._m._set_block_hash(block.block_id, bytes(block_hash))
+
+    def pop(self, block_hash, block_id: int):
+        m = self._m
+        if m._block_hash(block_id) != bytes(block_hash):
+            return None
+        m._set_block_hash(block_id, None)
+        return SharedBlock(m, block_id)
+
+    def __len__(self) -> int:
+        return len({self._m._block_hash(b) for b in self._m._cached_ids()})
+
+    def clear(self) -> None:
+        self._m._uncache_all()
+
+
+class BlocksView:
+    """The seed's ``blocks`` list: ``blocks[i]`` is a live view of block i."""
+
+    def __init__(self, mgr) -> None:
+        self._m = mgr
+
+    def __len__(self) -> int:
+        return self._m.max_blocks
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [SharedBlock(self._m, j) for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if isinstance(i, bool) or not isinstance(i, int) or not -n <= i < n:
+            raise IndexError(f"block index {i!r} out of range [0, {n})")
+        return SharedBlock(self._m, i % n)
+
+    def __iter__(self):
+        return (SharedBlock(self._m, j) for j in range(len(self)))
+
+
+_COUNTERS = {"cache_hits": C_HITS, "cache_misses": C_MISSES,
+             "cow_copies": C_COW, "evictions": C_EVICTIONS}
+
+
+class SharedStats(CacheStats):
+    """``CacheStats`` whose counters are the pool's shared counters and whose
+    block figures are computed from a scan of the records on each read."""
+
+    def __init__(self, mgr) -> None:  # noqa
+        object.__setattr__(self, "_m", mgr)
+
+    def __getattribute__(self, name):
+        if name in _COUNTERS:
+            return object.__getattribute__(self, "_m")._p.c[_COUNTERS[name]]
+        if name in ("total_blocks", "allocated_blocks", "free_blocks",
+                    "shared_blocks", "total_tokens_cached"):
+            return getattr(object.__getattribute__(self, "_m")._scan_stats(), name)
+        return object.__getattribute__(self, name)
+
+    def __setattr__(self, name, value) -> None:
+        if name in _COUNTERS:
+            self._m._p.c[_COUNTERS[name]] = int(value)
+        else:
+            raise AttributeError(f"{name} is derived from the pool's state and cannot be set")
+
+    def __repr__(self) -> str:
+        return repr(self._m.get_stats()).replace("CacheStats", "SharedStats", 1)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from .blocks import BlockTable, CacheBlock, CacheStats
-from .layout import C_COW, C_EVICTIONS, C_HITS, C_MISSES, FLAG_CACHED, FLAG_NULL
+from .layout import C_COW, C_EVICTIONS, C_HITS, C_MISSES, FLAG_NULL
 
 
 class SharedBlock(CacheBlock):

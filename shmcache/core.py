@@ -1,0 +1,292 @@
+"""Shared internals of a manager: the primitive, lock-held steps every
+public operation is built from, and the release paths recovery uses."""
+
+from __future__ import annotations
+
+import logging
+from typing import Tuple
+
+import numpy as np
+
+from . import layout as L
+from . import recovery
+from .blocks import (BlockHash, CacheBlock, CacheStats, chain_hash,
+                     extra_bytes, token_bytes)
+from .errors import CapacityError
+from .freelist import SharedFreeQueue
+from .pool import Pool
+from .refs import RefStore
+from .views import SharedBlockTable
+
+logger = logging.getLogger("shmcache.paged_cache")
+
+
+def _rid_key(request_id) -> Tuple[bytes, int]:
+    if not isinstance(request_id, str) or not request_id:
+        raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
+    raw = request_id.encode()
+    if len(raw) > L.RID_BYTES or b"\x00" in raw:
+        raise ValueError(f"request_id {request_id!r} must be at most {L.RID_BYTES} "
+                         "UTF-8 bytes with no NUL")
+    return raw, int.from_bytes(chain_hash(b"rid", None, raw, b"")[:8], "little")
+
+
+def _close(p: Pool, refs: RefStore, destroy: bool) -> None:
+    if p.closed or p._forked:
+        if destroy and p.creator and not p.private:
+            from . import segment
+            segment.unlink(p.name)
+        p.unmap()
+        return
+    try:
+        with p.lock:
+            _release_slot_holdings(p, refs, p.slot)
+            p.release_slot()
+    finally:
+        if destroy and p.creator and not p.private:
+            from . import segment
+            segment.unlink(p.name)
+        p.unmap()
+
+
+def _release_block(p: Pool, fq: SharedFreeQueue, b: int) -> None:
+    r = p.b_ref[b] - 1
+    p.b_ref[b] = r
+    if r == 0:
+        if p.b_flags[b] & L.FLAG_CACHED:
+            fq.append_id(b)
+        else:
+            fq.appendleft_id(b)
+
+
+def _release_slot_holdings(p: Pool, refs: RefStore, slot: int) -> int:
+    fq = SharedFreeQueue(p)
+    n = 0
+    for b in refs.pop_slot_loose(slot):
+        _release_block(p, fq, b)
+        n += 1
+    owned = np.flatnonzero((p.tables["state"] == 1) & (p.tables["owner"] == slot)).tolist()
+    for t in owned:
+        _unlink_table(p, refs, t)
+        for b in reversed(refs.pop_table(t)):
+            _release_block(p, fq, b)
+            n += 1
+    return n
+
+
+def _unlink_table(p: Pool, refs: RefStore, t: int) -> None:
+    p.t_state[t] = 0           # commit: the table is gone
+    p.c[L.C_NUM_TABLES] -= 1
+    p.tindex.remove(t, int(p.tables["rid_hash"][t]))
+
+
+
+class PoolOps:
+    """Primitive steps over a pool; callers hold ``self._p.lock``."""
+
+    # ================================================================ internals
+    def _bid(self, block) -> int:
+        b = block.block_id if isinstance(block, CacheBlock) else block
+        if isinstance(b, bool) or not isinstance(b, (int, np.integer)):
+            raise TypeError(f"block id must be an int, got {type(b).__name__}")
+        b = int(b)
+        if not 0 <= b < self.max_blocks:
+            raise ValueError(f"block id {b} out of range [0, {self.max_blocks})")
+        return b
+
+    def _sync(self) -> None:
+        self._p.check_usable()
+        if self._p.c[L.C_EPOCH] != self._epoch:
+            self._refs.resync()
+            self._epoch = self._p.c[L.C_EPOCH]
+
+    def _repair(self) -> None:
+        logger.warning("pool %r: previous lock holder died mid-update; repairing", self.name)
+        recovery.repair(self)
+        self._refs.resync()
+        self._epoch = self._p.c[L.C_EPOCH]
+        self._reclaimed_in_repair += self._reclaim_locked()
+
+    def _block_hash(self, b: int):
+        p = self._p
+        if not p.b_flags[b] & L.FLAG_CACHED:
+            return None
+        off = p.layout.blocks_off + b * L.BLOCK_DTYPE.itemsize + L.BLOCK_HASH_OFF
+        return BlockHash(bytes(p.raw[off:off + L.HASH_BYTES]))
+
+    def _lookup_hash(self, h: bytes) -> int:
+        if len(h) != L.HASH_BYTES:
+            return -1
+        return self._hindex.find(h, int.from_bytes(h[:8], "little"))
+
+    def _cached_ids(self) -> list:
+        f = self._p.blocks["flags"][: self.max_blocks]
+        return np.flatnonzero(f & L.FLAG_CACHED).tolist()
+
+    def _cache(self, b: int, h: bytes) -> None:
+        p = self._p
+        off = p.layout.blocks_off + b * L.BLOCK_DTYPE.itemsize + L.BLOCK_HASH_OFF
+        p.raw[off:off + L.HASH_BYTES] = h
+        p.b_flags[b] |= L.FLAG_CACHED
+        self._hindex.insert(b, int.from_bytes(h[:8], "little"))
+
+    def _uncache(self, b: int) -> None:
+        p = self._p
+        self._hindex.remove(b, self._hhome(b))
+        p.b_flags[b] &= ~L.FLAG_CACHED & 0xFFFF
+
+    def _set_block_hash(self, b: int, h) -> None:
+        with self._p.lock:
+            b = self._bid(b)
+            if b == 0:
+                raise ValueError("the null block cannot be cached")
+            if h is not None and (not isinstance(h, (bytes, bytearray)) or len(h) != L.HASH_BYTES):
+                raise ValueError(f"block_hash must be {L.HASH_BYTES} bytes, got {h!r}")
+            if h is not None and not self.enable_caching:
+                return
+            if self._p.b_flags[b] & L.FLAG_CACHED:
+                self._uncache(b)
+            if h is not None:
+                self._cache(b, bytes(h))
+
+    def _set_ref_count(self, b: int, v) -> None:
+        raise AttributeError(
+            "ref_count of a shared block follows the references held; use "
+            "touch/increment_ref/free_block (block %d)" % b)
+
+    def _set_token_count(self, b: int, v) -> None:
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= self.block_size:
+            raise ValueError(f"token_count must be an int in [0, {self.block_size}], got {v!r}")
+        self._p.b_tok[b] = v
+
+    def _block_payload(self, b: int):
+        if self._p.arena is None:
+            return None
+        return [self.read_kv([b], layer) for layer in range(self._p.layout.num_layers)]
+
+    def _set_block_payload(self, b: int, data) -> None:
+        for layer, (k, v) in enumerate(data):
+            self.write_kv(b, layer, k, v)
+
+    def _scan_stats(self) -> CacheStats:
+        with self._p.lock:
+            s = recovery.scan_stats(self._p)
+            c = self._p.c
+            return CacheStats(s["total_blocks"], s["allocated_blocks"], s["free_blocks"],
+                              s["shared_blocks"], s["total_tokens_cached"], c[L.C_HITS],
+                              c[L.C_MISSES], c[L.C_COW], c[L.C_EVICTIONS])
+
+    def _pop_free(self) -> int:
+        p = self._p
+        b = self._fq.popleft_id()
+        if p.b_flags[b] & L.FLAG_CACHED:
+            self._uncache(b)
+            p.c[L.C_EVICTIONS] += 1
+        p.b_ref[b] = 1
+        p.b_tok[b] = 0
+        p.b_last[b] = p.now()
+        return b
+
+    def _ensure_free(self, n: int) -> bool:
+        if self._p.c[L.C_NUM_FREE] >= n:
+            return True
+        self._reclaim_locked()
+        return self._p.c[L.C_NUM_FREE] >= n
+
+    def _take_ref(self, b: int) -> None:
+        p = self._p
+        if p.b_ref[b] == 0:
+            self._fq.remove_id(b)
+        p.b_ref[b] += 1
+        p.b_last[b] = p.now()
+        self._refs.add_loose(b)
+
+    def _release(self, b: int) -> bool:
+        _release_block(self._p, self._fq, b)
+        return self._p.b_ref[b] == 0
+
+    def _hashes(self, token_ids, n_blocks: int, extra_keys, parent=None, start=0) -> list:
+        data = token_bytes(token_ids)
+        extra = extra_bytes(extra_keys)
+        step = 4 * self.block_size
+        out = []
+        for i in range(start, n_blocks):
+            parent = chain_hash(self._root, parent, data[i * step:(i + 1) * step], extra)
+            out.append(parent)
+        return out
+
+    def _table_index(self, table) -> int:
+        p = self._p
+        if isinstance(table, SharedBlockTable) and table._m._p is p:
+            t = table._t
+            if p.t_state[t] == 1 and int(p.tables["rid_hash"][t]) == table._rh:
+                return t
+            raise KeyError(f"block table {table.request_id!r} no longer exists")
+        rid = getattr(table, "request_id", table)
+        raw, h = _rid_key(rid)
+        t = self._tindex.find(raw, h)
+        if t < 0:
+            raise KeyError(f"no block table for request {rid!r}")
+        return t
+
+    def _table_view(self, t: int) -> SharedBlockTable:
+        p = self._p
+        rid = bytes(p.tables["request_id"][t]).decode()
+        return SharedBlockTable(self, t, rid, int(p.tables["rid_hash"][t]))
+
+    def _table_ids(self) -> list:
+        with self._p.lock:
+            st = self._p.tables
+            return [bytes(st["request_id"][t]).decode()
+                    for t in np.flatnonzero(st["state"] == 1).tolist()]
+
+    def _new_table(self, request_id: str) -> int:
+        p = self._p
+        raw, h = _rid_key(request_id)
+        if self._tindex.find(raw, h) >= 0:
+            raise ValueError(f"a block table for request {request_id!r} already exists")
+        free = np.flatnonzero(p.tables["state"] == 0)
+        if not free.size:
+            raise CapacityError(f"pool {self.name!r} has no free block table "
+                                f"(max_tables={p.layout.max_tables})")
+        t = int(free[0])
+        rec = p.tables[t]
+        rec["request_id"] = raw
+        rec["rid_hash"] = h
+        rec["owner"] = p.slot
+        rec["head"] = rec["tail"] = -1
+        rec["length"] = rec["num_tokens"] = 0
+        self._tindex.insert(t, h)
+        p.t_state[t] = 1           # commit
+        p.c[L.C_NUM_TABLES] += 1
+        return t
+
+    def _table_add(self, table, block, tokens_in_block: int, set_block_tokens=True) -> None:
+        with self._p.lock:
+            self._sync()
+            t = self._table_index(table)
+            b = self._bid(block)
+            if isinstance(tokens_in_block, bool) or not isinstance(tokens_in_block, int) \
+                    or not 0 <= tokens_in_block <= self.block_size:
+                raise ValueError(f"tokens_in_block must be an int in [0, {self.block_size}], "
+                                 f"got {tokens_in_block!r}")
+            if not self._refs.holds_loose(b):
+                raise ValueError(f"block {b} is not held by this manager outside a table: "
+                                 "allocate, acquire or touch it before adding it to a table")
+            self._refs.need(1)
+            self._refs.table_append(t, b)
+            self._refs.drop_loose(b)
+            p = self._p
+            if set_block_tokens:
+                p.b_tok[b] = tokens_in_block
+            p.t_tok[t] += tokens_in_block
+
+    def _reclaim_locked(self) -> int:
+        p = self._p
+        n = 0
+        for s in p.dead_slots():
+            n += _release_slot_holdings(p, self._refs, s)
+            p.slots["state"][s] = 0
+        p.c[L.C_RECLAIMED] += n
+        return n
+

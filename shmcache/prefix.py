@@ -1,0 +1,161 @@
+"""Prefix caching: publishing full blocks under chain hashes, lookup, and
+the seed's legacy hash calls (which here match whole chains only)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, List, Optional, Tuple
+
+
+from . import layout as L
+from .blocks import (BlockHash, CacheBlock, chain_hash,
+                     compute_block_hash, token_bytes)
+from .views import SharedBlock
+
+logger = logging.getLogger("shmcache.paged_cache")
+
+from .core import PoolOps
+
+
+class PrefixOps(PoolOps):
+    # ============================================================ prefix cache
+    def get_cached_block(self, block_hash: BlockHash) -> Optional[CacheBlock]:
+        """Any block cached under ``block_hash`` (no reference is taken)."""
+        if not self.enable_caching:
+            return None
+        with self._p.lock:
+            self._sync()
+            b = self._lookup_hash(bytes(block_hash))
+            self._p.c[L.C_HITS if b >= 0 else L.C_MISSES] += 1
+            return SharedBlock(self, b) if b >= 0 else None
+
+    def cache_full_blocks(self, blocks: List[CacheBlock], token_ids: List[int],
+                          num_cached_blocks: int, num_full_blocks: int,
+                          extra_keys: Optional[Tuple[Any, ...]] = None) -> None:
+        """Publish blocks ``num_cached_blocks .. num_full_blocks-1`` in the prefix cache.
+
+        Their K/V must be written first: a published block is visible to
+        every process at once. ``extra_keys`` salts the chain (tenant, LoRA).
+
+        Raises:
+            ValueError, TypeError: bad counts, tokens, or a block that is free.
+        """
+        if not self.enable_caching:
+            return
+        for name, v in (("num_cached_blocks", num_cached_blocks), ("num_full_blocks", num_full_blocks)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+        if num_cached_blocks >= num_full_blocks:
+            return
+        if len(blocks) < num_full_blocks or len(token_ids) < num_full_blocks * self.block_size:
+            raise ValueError(f"num_full_blocks={num_full_blocks} needs {num_full_blocks} blocks and "
+                             f"{num_full_blocks * self.block_size} tokens, got {len(blocks)} "
+                             f"and {len(token_ids)}")
+        ids = [self._bid(b) for b in blocks[:num_full_blocks]]
+        parent = self._block_hash(ids[num_cached_blocks - 1]) if num_cached_blocks else None
+        if num_cached_blocks and parent is None:
+            parent = self._hashes(token_ids, num_cached_blocks, extra_keys)[-1]
+        hashes = self._hashes(token_ids, num_full_blocks, extra_keys, parent, num_cached_blocks)
+        with self._p.lock:
+            self._sync()
+            p = self._p
+            for b in ids[num_cached_blocks:]:
+                if p.b_ref[b] <= 0 or b == 0:
+                    raise ValueError(f"block {b} is not allocated; only held blocks can be cached")
+            for b, h in zip(ids[num_cached_blocks:], hashes):
+                if not p.b_flags[b] & L.FLAG_CACHED:
+                    self._cache(b, h)
+                    p.b_tok[b] = self.block_size
+
+    def _lookup_chain(self, token_ids, extra_keys) -> list:
+        n = len(token_ids) // self.block_size
+        hashes = self._hashes(token_ids, n, extra_keys)
+        p = self._p
+        found = []
+        for h in hashes:
+            b = self._lookup_hash(h)
+            if b < 0:
+                p.c[L.C_MISSES] += 1
+                break
+            found.append(b)
+            p.c[L.C_HITS] += 1
+        return found
+
+    def get_computed_blocks(self, token_ids: List[int],
+                            extra_keys: Optional[Tuple[Any, ...]] = None
+                            ) -> Tuple[List[CacheBlock], int]:
+        """The cached blocks of the longest cached prefix (no reference taken:
+        use ``acquire_computed_blocks`` when another process may evict them)."""
+        if not self.enable_caching:
+            return [], 0
+        with self._p.lock:
+            self._sync()
+            found = self._lookup_chain(token_ids, extra_keys)
+            return [SharedBlock(self, b) for b in found], len(found) * self.block_size
+
+    def acquire_computed_blocks(self, token_ids: List[int],
+                                extra_keys: Optional[Tuple[Any, ...]] = None
+                                ) -> Tuple[List[CacheBlock], int]:
+        """Look up the longest cached prefix and take a reference on each of
+        its blocks, in one atomic step.
+
+        Returns:
+            (blocks, num_cached_tokens); the blocks are held by this manager
+            (free them, or add them to a table).
+        """
+        if not self.enable_caching:
+            token_bytes(token_ids)
+            return [], 0
+        with self._p.lock:
+            self._sync()
+            found = self._lookup_chain(token_ids, extra_keys)
+            self._refs.need(len(found))
+            for b in found:
+                self._take_ref(b)
+            return [SharedBlock(self, b) for b in found], len(found) * self.block_size
+
+    # ================================================================= legacy
+    @staticmethod
+    def compute_block_hash(tokens: List[int]) -> str:
+        """Legacy string hash of a token list (a pure function)."""
+        return compute_block_hash(None, tokens).hex()[:16]
+
+    def find_cached_block(self, tokens: List[int]) -> Optional[CacheBlock]:
+        """The cached block whose prefix is exactly ``tokens`` (from position 0)."""
+        with self._p.lock:
+            self._sync()
+            hashes = self._chunk_hashes(tokens)
+            b = self._lookup_hash(hashes[-1]) if hashes else -1
+            self._p.c[L.C_HITS if b >= 0 else L.C_MISSES] += 1
+            if b < 0:
+                return None
+            self._p.b_last[b] = self._p.now()
+            return SharedBlock(self, b)
+
+    def _chunk_hashes(self, tokens) -> list:
+        data = token_bytes(tokens)
+        step, out, parent = 4 * self.block_size, [], None
+        for i in range(0, len(data), step):
+            parent = chain_hash(self._root, parent, data[i:i + step], b"")
+            out.append(parent)
+        return out
+
+    def register_block_hash(self, block: CacheBlock, tokens: List[int]) -> None:
+        """Cache ``block`` as the last block of the prefix ``tokens``."""
+        hashes = self._chunk_hashes(tokens)
+        if not hashes:
+            raise ValueError("register_block_hash needs at least one token")
+        b = self._bid(block)
+        with self._p.lock:
+            self._sync()
+            if self._p.b_ref[b] <= 0:
+                raise ValueError(f"block {b} is not allocated; only held blocks can be cached")
+            self._set_block_hash(b, hashes[-1])
+
+    def find_shared_prefix(self, tokens: List[int]) -> Tuple[List[int], List[int]]:
+        """Block ids of the longest cached whole-chain prefix, and the tokens after it."""
+        with self._p.lock:
+            self._sync()
+            found = self._lookup_chain(tokens, None) if self.enable_caching else []
+            return found, list(tokens[len(found) * self.block_size:])
+

@@ -80,7 +80,7 @@ class SharedFreeQueue:
         out = []
         b = nxt[p.HEAD]
         cap = p.layout.max_blocks if limit is None else limit
-        while b != p.TAIL and b >= 0 and len(out) <= cap:
+        while b != p.TAIL and b >= 0 and len(out) < cap:
             out.append(b)
             b = nxt[b]
         return out

@@ -66,11 +66,17 @@ class PoolLock:
         self._on_dirty = on_dirty
         self._tlock = threading.RLock()
         self._depth = 0
+        self._keep_dirty = False
+        self.check_usable = None    # raises once the owner is closed or forked
 
     def __enter__(self):
         self._tlock.acquire()
         if self._depth == 0:
             try:
+                if self.check_usable is not None:
+                    # before flock: a closed fd may be reused by another file,
+                    # and a fork-inherited one shares the parent's lock
+                    self.check_usable()
                 try:
                     fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
@@ -83,9 +89,11 @@ class PoolLock:
                 self._tlock.release()
                 raise
             self._depth = 1
+            self._keep_dirty = False
             if self._c[C_DIRTY]:
                 self._c[C_DIRTY] = 1
-                self._on_dirty()
+                # False: nobody could repair yet (a manager still attaching)
+                self._keep_dirty = self._on_dirty() is False
             self._c[C_DIRTY] = 1
         else:
             self._depth += 1
@@ -100,7 +108,7 @@ class PoolLock:
                     # repair now, while we still hold the lock.
                     self._on_dirty()
                 self._c[C_OPS] += 1
-                self._c[C_DIRTY] = 0
+                self._c[C_DIRTY] = int(self._keep_dirty)
             finally:
                 fcntl.flock(self.fd, fcntl.LOCK_UN)
                 self._tlock.release()

@@ -47,6 +47,20 @@ __all__ = ["BlockHash", "CacheBlock", "KVCacheBlock", "FreeKVCacheBlockQueue",
            "compute_block_hash"]
 
 
+def _weak_on_dirty(wmgr, p):
+    """The pool's repair hook, holding its manager weakly. Once the manager is
+    collected (its finalizer is closing the pool) repair runs without it."""
+    def on_dirty() -> None:
+        m = wmgr()
+        if m is not None:
+            m._repair()
+        else:
+            from types import SimpleNamespace
+            recovery.repair(SimpleNamespace(_p=p, _hindex=p.hindex, _hhome=p.hhome,
+                                            _tindex=p.tindex))
+    return on_dirty
+
+
 class PagedCacheManager(TableOps, PrefixOps):
     """Paged KV cache manager over a shared-memory block pool.
 
@@ -86,8 +100,11 @@ class PagedCacheManager(TableOps, PrefixOps):
         self._hhome = p.hhome
         self._hindex = p.hindex
         self._tindex = p.tindex
-        p.on_dirty = self._repair
-        p.view = lambda b: SharedBlock(self, b)
+        # Weak: the finalizer below holds the pool, so a strong pool -> manager
+        # link would keep the manager alive forever (never collected).
+        p.on_dirty = _weak_on_dirty(weakref.ref(self), p)
+        _wself = weakref.ref(self)
+        p.view = lambda b: SharedBlock(_wself(), b)
         self._lock = p.lock
         self.free_block_queue = self._fq
         self.cached_block_hash_to_block = SharedHashMap(self)

@@ -66,6 +66,7 @@ class Pool:
         self.slot = -1
         self._map_views()
         self.lock = PoolLock(fd, self.c, self._on_dirty)
+        self.lock.check_usable = self.check_usable
         self.on_dirty = None        # set by the manager: repair + reclaim
         _live_pools.add(self)
 
@@ -257,6 +258,14 @@ class Pool:
     def _take_slot(self) -> None:
         with self.lock:
             st = self.slots["state"]
+            if not (st == 0).any() and not self.lock._keep_dirty:
+                # No free slot: release what dead holders left so their slots
+                # can be reused (a clean pool only; a dirty one waits for repair).
+                from .core import _release_slot_holdings   # core imports this module
+                from .refs import RefStore
+                for s in self.dead_slots():
+                    self.c[L.C_RECLAIMED] += _release_slot_holdings(self, RefStore(self), s)
+                    st[s] = 0
             for s in np.flatnonzero(st == 0).tolist() + np.flatnonzero(st == 1).tolist():
                 if st[s] == 1:
                     if self.slot_alive(s) or self.on_dirty is None:
@@ -281,9 +290,10 @@ class Pool:
             ofd_unlock(self.fd, self._liveness_off(self.slot))
             self.slot = -1
 
-    def _on_dirty(self) -> None:
-        if self.on_dirty is not None:
-            self.on_dirty()
+    def _on_dirty(self):
+        if self.on_dirty is None:
+            return False        # not repaired: the lock keeps the pool dirty
+        self.on_dirty()
 
     def check_usable(self) -> None:
         if self.closed:

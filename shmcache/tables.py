@@ -41,7 +41,8 @@ class TableOps(PoolOps):
 
     def get_or_create_block_table(self, request_id: str) -> BlockTable:
         with self._p.lock:
-            return self.get_block_table(request_id) or self.create_block_table(request_id)
+            t = self.get_block_table(request_id)   # not `or`: an empty table is falsy
+            return t if t is not None else self.create_block_table(request_id)
 
     def delete_block_table(self, request_id: str) -> None:
         """Delete a table and drop its references, last block first.

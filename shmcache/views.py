@@ -232,10 +232,15 @@ class LegacyHashView(_View):
 
     def __iter__(self):
         m = self._m
-        return iter([m._block_hash(b).hex() for b in m._cached_ids()])
+        # several blocks may share a hash: each key once, as a Mapping must;
+        # under the lock, so no block is uncached between flag and hash reads
+        with m._p.lock:
+            return iter(dict.fromkeys(m._block_hash(b).hex() for b in m._cached_ids()))
 
     def __len__(self) -> int:
-        return len(self._m._cached_ids())
+        m = self._m
+        with m._p.lock:
+            return len({m._block_hash(b) for b in m._cached_ids()})
 
 
 class SharedHashMap:

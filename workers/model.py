@@ -233,12 +233,17 @@ class Model(nn.Module):
         self.output = init.normal(config.vocab_size, config.dim)
         mx.eval(self.parameters())
 
-    def __call__(self, tokens: mx.array, cache: KVCacheSeam) -> mx.array:
+    def __call__(self, tokens: mx.array, cache: KVCacheSeam, last_only: bool = False) -> mx.array:
+        """Logits (1, T, vocab); only the last position's (1, 1, vocab) with ``last_only``
+        (a prefill chunk needs no others, and the output projection is the
+        largest single matmul)."""
         if tokens.ndim != 2 or tokens.shape[0] != 1 or tokens.shape[1] < 1:
             raise ValueError(f"tokens must have shape (1, T) with T >= 1, got {tokens.shape}")
         h = self.tok_embeddings[tokens.astype(mx.int32)]  # (1, T, dim)
         for layer in self.layers:
             h = layer(h, cache)
+        if last_only:
+            h = h[:, -1:]  # (1, 1, dim)
         return (self.norm(h) @ self.output.T).astype(mx.float32)  # (1, T, vocab)
 
 
@@ -252,7 +257,7 @@ def prefill(model: Model, tokens: list[int], cache: KVCacheSeam, chunk_size: int
     logits = None
     for start in range(0, len(tokens), chunk_size):
         chunk = tokens[start : start + chunk_size]
-        logits = model(mx.array([chunk], dtype=mx.int32), cache)[0, -1]  # (vocab,)
+        logits = model(mx.array([chunk], dtype=mx.int32), cache, last_only=True)[0, -1]  # (vocab,)
         mx.eval(logits)
         cache.advance(len(chunk))
     return logits

@@ -1,0 +1,292 @@
+"""The ``shmcache`` command: look at, check and clean up pools in /dev/shm.
+
+    shmcache list                    every pool: owner, alive, size, usage
+    shmcache inspect NAME [--json]   one pool's statistics, layout and holders
+    shmcache top NAME [--interval S] the same, refreshed in place until Ctrl-C
+    shmcache fsck NAME [--repair]    invariant check (exit 1 on violations)
+    shmcache cleanup [NAME|PATTERN]  remove pools whose owner is dead and that
+                                     no live process has attached
+
+Exit codes: 0 success; 1 fsck found violations (left after ``--repair``) or a
+named ``cleanup`` kept a live pool; 2 an error (unknown pool, not a pool, an
+incompatible layout version, bad arguments), reported in one line on stderr.
+``top`` exits 0 on Ctrl-C. ``list``, ``inspect`` and ``top`` take no slot and
+change nothing; ``fsck`` attaches (taking a slot until it exits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import signal
+import sys
+import time
+
+from . import layout as L
+from . import segment
+from .errors import ShmCacheError
+from .inspect_pool import PoolView, cleanup as cleanup_pool
+
+BAR_WIDTH = 40
+
+
+class CliError(Exception):
+    pass
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def usage_bar(frac: float, width: int = BAR_WIDTH) -> str:
+    frac = min(max(frac, 0.0), 1.0)
+    full = round(frac * width)
+    return "[" + "#" * full + "." * (width - full) + f"] {100 * frac:5.1f}%"
+
+
+def _open(name: str) -> PoolView:
+    segment.check_name(name)
+    return PoolView(name)
+
+
+# ------------------------------------------------------------------- list
+def cmd_list(args) -> int:
+    names = segment.list_names()
+    if not names:
+        print(f"no shmcache pools in {segment.SHM_DIR}")
+        return 0
+    rows = []
+    for n in names:
+        try:
+            with PoolView(n, require_ready=False) as v:
+                d = v.summary()
+        except (ShmCacheError, OSError, ValueError) as e:
+            rows.append((n, "-", "-", "-", "-", human_bytes(_size(n)), f"not usable: {e}"))
+            continue
+        alive = "yes" if d["owner_alive"] else "DEAD"
+        if "max_blocks" not in d:
+            rows.append((n, str(d["owner_pid"]), alive, "-", "-", human_bytes(d["size_bytes"]),
+                         "initialising"))
+            continue
+        rows.append((n, str(d["owner_pid"]), alive, str(d["attached"]), str(d["max_blocks"]),
+                     human_bytes(d["size_bytes"]),
+                     f"{d['allocated_blocks']}/{d['max_blocks']} {usage_bar(d['usage'], 20)}"))
+    head = ("NAME", "OWNER", "ALIVE", "ATTACHED", "BLOCKS", "BYTES", "USAGE")
+    w = [max(len(r[i]) for r in rows + [head]) for i in range(6)]
+    for r in [head] + rows:
+        print("  ".join(c.ljust(w[i]) for i, c in enumerate(r[:6])) + "  " + r[6])
+    return 0
+
+
+def _size(name: str) -> int:
+    try:
+        import os
+        return os.stat(segment.path_for(name)).st_size
+    except OSError:
+        return 0
+
+
+# ---------------------------------------------------------------- inspect
+def render(d: dict) -> str:
+    lay = d["layout"]
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d["created_at"]))
+    lines = [
+        f"pool {d['name']}  ({d['path']}, {human_bytes(d['size_bytes'])})",
+        f"owner     pid {d['owner_pid']} ({'alive' if d['owner_alive'] else 'dead'}), "
+        f"created {when}",
+        f"layout    block_size {lay['block_size']}, max_blocks {lay['max_blocks']}, "
+        f"{lay['num_layers']} layers x {lay['num_kv_heads']} kv heads x head_dim "
+        f"{lay['head_dim']} {lay['dtype']} ({human_bytes(lay['block_bytes'])}/block), "
+        f"caching {'on' if lay['enable_caching'] else 'off'}",
+        f"          slots {lay['max_slots']}, tables {lay['max_tables']}, refs {lay['max_refs']}, "
+        f"metadata {human_bytes(lay['arena_off'])}, kv arena {human_bytes(lay['arena_size'])}",
+        f"usage     {usage_bar(d['usage'])}",
+        f"blocks    allocated {d['allocated_blocks']}, free {d['free_blocks']}, "
+        f"shared {d['shared_blocks']}, cached {d['cached_blocks']}, "
+        f"tokens cached {d['total_tokens_cached']}",
+        f"cache     hits {d['cache_hits']}, misses {d['cache_misses']}, prefix hit rate "
+        f"{100 * d['prefix_hit_rate']:.1f}%, cow copies {d['cow_copies']}, "
+        f"evictions {d['evictions']}",
+        f"pool      tables {d['block_tables']}, lock holds {d['ops']}, max lock wait "
+        f"{d['max_lock_wait_s'] * 1e3:.3f} ms, recoveries {d['recoveries']}, reclaimed refs "
+        f"{d['reclaimed_refs']}{', DIRTY' if d['dirty'] else ''}"
+        f"{'' if d['consistent_snapshot'] else ' (lock busy: unlocked snapshot)'}",
+    ]
+    hs = d["holders"]
+    if not hs:
+        lines.append("holders   none attached")
+    else:
+        lines.append(f"holders   {'slot':>4}  {'pid':>8}  {'alive':5}  {'tables':>6}  "
+                     f"{'table blocks':>12}  {'loose blocks':>12}")
+        for h in hs:
+            lines.append(f"          {h['slot']:>4}  {h['pid']:>8}  "
+                         f"{'yes' if h['alive'] else 'DEAD':5}  {h['tables']:>6}  "
+                         f"{h['table_blocks']:>12}  {h['loose_blocks']:>12}")
+    return "\n".join(lines)
+
+
+def cmd_inspect(args) -> int:
+    with _open(args.name) as v:
+        d = v.snapshot()
+    if args.json:
+        print(json.dumps(d, indent=2, sort_keys=False))
+    else:
+        print(render(d))
+    return 0
+
+
+# -------------------------------------------------------------------- top
+def cmd_top(args) -> int:
+    _open(args.name).close()          # fail fast on a bad name
+    signal.signal(signal.SIGINT, signal.default_int_handler)   # even as a background job
+    out = sys.stdout
+    try:
+        while True:
+            try:
+                with _open(args.name) as v:
+                    d = v.snapshot()
+            except ShmCacheError as e:
+                out.write("\n")
+                raise CliError(f"pool {args.name!r} went away: {e}") from None
+            stamp = time.strftime("%H:%M:%S")
+            out.write("\x1b[H\x1b[2J" + f"shmcache top {args.name}   {stamp}   "
+                      f"(every {args.interval:g} s, Ctrl-C to quit)\n\n" + render(d) + "\n")
+            out.flush()
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        out.write("\n")
+        out.flush()
+        return 0
+
+
+# ------------------------------------------------------------------- fsck
+def cmd_fsck(args) -> int:
+    import shmcache
+    from . import recovery
+    with _open(args.name) as v:
+        dirty = bool(v.c[L.C_DIRTY])
+    mgr = shmcache.attach(args.name, timeout=1.0)
+    try:
+        p = mgr._p
+        problems = mgr.check()
+        if dirty:
+            print(f"{args.name}: was marked dirty (a lock holder died mid-update); "
+                  "it was rebuilt on first lock")
+        dead = [h for h in mgr.holdings() if not h["alive"]]
+        if not args.repair:
+            for line in problems:
+                print(f"{args.name}: {line}")
+            if problems:
+                print(f"{args.name}: {len(problems)} violation(s); run 'shmcache fsck --repair "
+                      f"{args.name}'", file=sys.stderr)
+                return 1
+            s = mgr.get_stats()
+            print(f"{args.name}: consistent: {s.total_blocks} blocks, {s.allocated_blocks} "
+                  f"allocated, {s.free_blocks} free, {p.c[L.C_NUM_TABLES]} tables, "
+                  f"{len(mgr.holdings()) - 1} other holders"
+                  + (f" ({len(dead)} dead, holding {_held(dead)} references: "
+                     "--repair releases them)" if dead else ""))
+            return 0
+        for line in problems:
+            print(f"{args.name}: found: {line}")
+        before = recovery.scan_stats(p)
+        refs_before = int(p.c[L.C_FREE_REFS])
+        with p.lock:
+            if problems:
+                recovery.repair(mgr)
+                mgr._refs.resync()
+                mgr._epoch = p.c[L.C_EPOCH]
+            released = mgr.reclaim_dead()
+        after = recovery.scan_stats(p)
+        print(f"{args.name}: repair: {'rebuilt derived state; ' if problems else ''}"
+              f"released {released} references of {len(dead)} dead holder(s); "
+              f"free blocks {before['free_blocks']} -> {after['free_blocks']}, allocated "
+              f"{before['allocated_blocks']} -> {after['allocated_blocks']}, free reference "
+              f"records {refs_before} -> {int(p.c[L.C_FREE_REFS])}")
+        left = mgr.check()
+        for line in left:
+            print(f"{args.name}: still: {line}")
+        if left:
+            return 1
+        print(f"{args.name}: consistent after repair")
+        return 0
+    finally:
+        mgr.close()
+
+
+def _held(holders) -> int:
+    return sum(h["table_blocks"] + h["loose_blocks"] for h in holders)
+
+
+# ---------------------------------------------------------------- cleanup
+def cmd_cleanup(args) -> int:
+    pattern = args.name or "*"
+    is_glob = any(ch in pattern for ch in "*?[")
+    if is_glob:
+        names = [n for n in segment.list_names() if fnmatch.fnmatchcase(n, pattern)]
+    else:
+        segment.check_name(pattern)
+        names = [pattern]
+    removed = kept = 0
+    for n in names:
+        try:
+            ok, why = cleanup_pool(n)
+        except ShmCacheError as e:
+            if not is_glob:
+                raise
+            print(f"skipped {n}: {e}")
+            continue
+        if ok:
+            removed += 1
+            print(f"removed {segment.path_for(n)}: {why}")
+        else:
+            kept += 1
+            print(f"kept {n}: {why}")
+    if not removed:
+        print("nothing removed" + (f" ({kept} pool(s) in use)" if kept else ""))
+    return 1 if (kept and not is_glob) else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="shmcache", description="Inspect, check and clean up shmcache pools in /dev/shm.",
+        epilog="Exit codes: 0 ok, 1 violations (fsck) or a kept pool (cleanup NAME), 2 error.")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    sub.add_parser("list", help="every pool: owner, alive, size, usage")
+    p = sub.add_parser("inspect", help="one pool's statistics, layout and holders")
+    p.add_argument("name")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p = sub.add_parser("top", help="inspect, refreshed in place until Ctrl-C")
+    p.add_argument("name")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    p = sub.add_parser("fsck", help="check the pool's invariants")
+    p.add_argument("name")
+    p.add_argument("--repair", action="store_true",
+                   help="rebuild derived state and release dead holders' references")
+    p = sub.add_parser("cleanup", help="remove pools whose owner is dead and nobody attached")
+    p.add_argument("name", nargs="?", help="a pool name or shell pattern (default: all)")
+    return ap
+
+
+COMMANDS = {"list": cmd_list, "inspect": cmd_inspect, "top": cmd_top, "fsck": cmd_fsck,
+            "cleanup": cmd_cleanup}
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.cmd](args)
+    except KeyboardInterrupt:
+        return 130
+    except (CliError, ShmCacheError, ValueError, OSError) as e:
+        print(f"shmcache {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,245 @@
+"""Read-only inspection of pool segments, for the ``shmcache`` command and tools.
+
+A :class:`PoolView` maps a pool's metadata (never its KV arena) read-only and
+takes no slot, so it works on a pool whose owner is dead without changing
+anything in it. Snapshots are taken under a *shared* ``flock`` of the pool
+lock when it can be had within a short wait (writers hold it exclusively), so
+the figures are consistent; otherwise they are read as they are.
+
+Liveness: the owner is the header's ``creator_pid`` whose process start time
+equals ``creator_start``; an attached manager is a slot in state 1 whose
+liveness byte is OFD-locked by some open file description.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import mmap
+import os
+import time
+
+import numpy as np
+import psutil
+
+from . import layout as L
+from . import recovery, segment
+from .errors import IncompatiblePoolError, PoolNotFoundError
+from .lock import ofd_held_by_other
+
+STAT_KEYS = ("allocated_blocks", "free_blocks", "shared_blocks", "cached_blocks",
+             "total_tokens_cached", "cache_hits", "cache_misses", "prefix_hit_rate",
+             "cow_copies", "evictions")
+
+
+def process_alive(pid: int, start_time: float) -> bool:
+    """Whether process ``pid`` exists and started at ``start_time`` (not a reused pid)."""
+    if pid <= 0:
+        return False
+    try:
+        ct = psutil.Process(pid).create_time()
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return True  # exists, owned by someone else: assume it is the one
+    return start_time <= 0 or abs(ct - start_time) < 0.05
+
+
+class PoolView:
+    """Read-only view of the pool ``name``.
+
+    Raises:
+        PoolNotFoundError: no such segment.
+        IncompatiblePoolError: not a shmcache pool, another layout version, or
+            (with ``require_ready``) not initialised.
+    """
+
+    def __init__(self, name: str, require_ready: bool = True) -> None:
+        self.name = name
+        self.path = segment.path_for(name)
+        try:
+            self.fd = os.open(self.path, os.O_RDWR)
+        except FileNotFoundError:
+            raise PoolNotFoundError(f"no shmcache pool named {name!r} ({self.path} does not exist)") from None
+        except PermissionError:
+            try:
+                self.fd = os.open(self.path, os.O_RDONLY)
+            except PermissionError:
+                raise IncompatiblePoolError(f"{self.path}: permission denied") from None
+        self.mm = None
+        try:
+            self._read_header(require_ready)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def _read_header(self, require_ready: bool) -> None:
+        self.size = os.fstat(self.fd).st_size
+        if self.size < L.HEADER_SIZE:
+            raise IncompatiblePoolError(f"{self.path} is not a shmcache pool ({self.size} bytes)")
+        raw = os.pread(self.fd, L.HEADER_DTYPE.itemsize, 0)
+        h = self.hdr = np.frombuffer(raw, L.HEADER_DTYPE)[0]
+        if bytes(h["magic"]) != L.MAGIC:
+            raise IncompatiblePoolError(f"{self.path} is not a shmcache pool (bad magic)")
+        if int(h["version"]) != L.LAYOUT_VERSION:
+            raise IncompatiblePoolError(
+                f"pool {self.name!r} has layout version {int(h['version'])}; "
+                f"this shmcache reads version {L.LAYOUT_VERSION}")
+        self.ready = int(h["ready"]) == 1
+        self.owner_pid = int(h["creator_pid"])
+        self.owner_start = float(h["creator_start"])
+        self.created_at = float(h["created_at"])
+        self.layout = None
+        if not self.ready:
+            if require_ready:
+                raise IncompatiblePoolError(f"pool {self.name!r} is not initialised (no ready header)")
+            return
+        lay = self.layout = L.layout_from_header(h)
+        if self.size < lay.total_size:
+            raise IncompatiblePoolError(
+                f"pool {self.name!r} is {self.size} bytes, its header says {lay.total_size}")
+        self.mm = mmap.mmap(self.fd, lay.arena_off, mmap.MAP_SHARED, mmap.PROT_READ)
+        self.counters = np.frombuffer(self.mm, np.int64, L.NUM_COUNTERS, lay.counters_off)
+        self.c = self.counters
+        self.slots = np.frombuffer(self.mm, L.SLOT_DTYPE, lay.max_slots, lay.slots_off)
+        self.blocks = np.frombuffer(self.mm, L.BLOCK_DTYPE, lay.max_blocks + 2, lay.blocks_off)
+        self.tables = np.frombuffer(self.mm, L.TABLE_DTYPE, lay.max_tables, lay.tables_off)
+
+    # ------------------------------------------------------------ liveness
+    def owner_alive(self) -> bool:
+        return process_alive(self.owner_pid, self.owner_start)
+
+    def slot_alive(self, slot: int) -> bool:
+        return ofd_held_by_other(self.fd, L.LIVENESS_OFF + slot)
+
+    def live_slots(self) -> list:
+        if self.layout is None:
+            return []
+        return [int(s) for s in np.flatnonzero(self.slots["state"] == 1) if self.slot_alive(int(s))]
+
+    # ------------------------------------------------------------ snapshots
+    @contextlib.contextmanager
+    def locked(self, mode=fcntl.LOCK_SH, timeout: float = 1.0):
+        """Hold the pool lock (shared by default) if it comes within ``timeout``.
+
+        Yields True if held, False if the snapshot is taken unlocked.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(self.fd, mode | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    yield False
+                    return
+                time.sleep(0.002)
+        try:
+            yield True
+        finally:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def stats(self) -> dict:
+        s = recovery.scan_stats(self)
+        c = self.c
+        hits, misses = int(c[L.C_HITS]), int(c[L.C_MISSES])
+        s.update(cache_hits=hits, cache_misses=misses,
+                 prefix_hit_rate=hits / (hits + misses) if hits + misses else 0.0,
+                 cow_copies=int(c[L.C_COW]), evictions=int(c[L.C_EVICTIONS]))
+        s["usage"] = s["allocated_blocks"] / s["total_blocks"]
+        return s
+
+    def holdings(self) -> list:
+        out = []
+        t = self.tables
+        live_t = t["state"] == 1
+        for s in np.flatnonzero(self.slots["state"] == 1).tolist():
+            mine = np.flatnonzero(live_t & (t["owner"] == s))
+            out.append({"slot": s, "pid": int(self.slots["pid"][s]),
+                        "start_time": float(self.slots["start_time"][s]),
+                        "alive": self.slot_alive(s), "tables": int(mine.size),
+                        "table_blocks": int(t["length"][mine].sum()),
+                        "loose_blocks": int(self.slots["loose_count"][s])})
+        return out
+
+    def snapshot(self) -> dict:
+        """Everything ``shmcache inspect`` shows, as one JSON-able dict."""
+        lay = self.layout
+        with self.locked() as consistent:
+            d = {"name": self.name, "path": self.path, "owner_pid": self.owner_pid,
+                 "owner_alive": self.owner_alive(), "created_at": self.created_at,
+                 "size_bytes": self.size, "consistent_snapshot": consistent}
+            d.update(self.stats())
+            c = self.c
+            d.update(block_tables=int(c[L.C_NUM_TABLES]), ops=int(c[L.C_OPS]),
+                     recoveries=int(c[L.C_RECOVERIES]), reclaimed_refs=int(c[L.C_RECLAIMED]),
+                     max_lock_wait_s=int(c[L.C_LOCK_WAIT_NS]) / 1e9,
+                     dirty=bool(c[L.C_DIRTY]), free_ref_records=int(c[L.C_FREE_REFS]))
+            d["layout"] = {k: getattr(lay, k) for k in lay.__dataclass_fields__}
+            d["layout"]["block_bytes"] = block_bytes(lay)
+            d["holders"] = self.holdings()
+        return d
+
+    def summary(self) -> dict:
+        """The few figures ``shmcache list`` shows."""
+        d = {"name": self.name, "owner_pid": self.owner_pid, "owner_alive": self.owner_alive(),
+             "size_bytes": self.size, "ready": self.ready}
+        if self.layout is not None:
+            n = self.layout.max_blocks
+            d.update(max_blocks=n, block_size=self.layout.block_size,
+                     allocated_blocks=n - int(self.c[L.C_NUM_FREE]),
+                     attached=len(self.live_slots()))
+            d["usage"] = d["allocated_blocks"] / n
+        return d
+
+    def close(self) -> None:
+        for k in ("counters", "c", "slots", "blocks", "tables"):
+            self.__dict__.pop(k, None)
+        if self.mm is not None:
+            try:
+                self.mm.close()
+            except BufferError:
+                pass
+            self.mm = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> "PoolView":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def block_bytes(lay: L.Layout) -> int:
+    return lay.num_layers * 2 * lay.num_kv_heads * lay.block_size * lay.head_dim * L.ITEMSIZE[lay.dtype]
+
+
+def removal_verdict(view: PoolView):
+    """(removable, reason): removable only if the owner is dead and no live
+    process is attached (call with the pool lock held exclusively)."""
+    if view.owner_alive():
+        return False, f"owner pid {view.owner_pid} is alive"
+    live = view.live_slots()
+    if live:
+        pids = sorted({int(view.slots["pid"][s]) for s in live})
+        return False, f"owner pid {view.owner_pid} is dead but {len(live)} live process(es) attached (pids {pids})"
+    return True, f"owner pid {view.owner_pid} is dead and no live process is attached"
+
+
+def cleanup(name: str):
+    """Unlink pool ``name`` if it is dead; (removed, reason).
+
+    Holds the pool lock exclusively while deciding, so no manager is in the
+    middle of an operation; a process that opened the file before the unlink
+    and attaches afterwards keeps a private, orphaned copy.
+    """
+    with PoolView(name, require_ready=False) as v:
+        with v.locked(fcntl.LOCK_EX, timeout=2.0) as held:
+            if not held:
+                return False, "its lock is held by a live process"
+            ok, why = removal_verdict(v)
+            if ok:
+                segment.unlink(name)
+            return ok, why

@@ -1,0 +1,214 @@
+"""KV payload: write_kv / read_kv between MLX arrays and the shared arena."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import shmcache
+
+H, D, T = 2, 8, 4            # num_kv_heads, head_dim, block_size
+MXDT = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+
+
+def kv_pool(make_pool, dtype="float16", layers=2, **kw):
+    return make_pool(block_size=T, max_blocks=16, num_layers=layers, num_kv_heads=H,
+                     head_dim=D, dtype=dtype, **kw)
+
+
+def rand(seed: int, tokens: int = T, dtype="float16"):
+    a = np.random.default_rng(seed).standard_normal((H, tokens, D)).astype(np.float32)
+    return mx.array(a).astype(MXDT[dtype])
+
+
+def as_np(x) -> np.ndarray:
+    return np.array(x.astype(mx.float32))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_roundtrip_each_dtype(make_pool, dtype):
+    m = kv_pool(make_pool, dtype)
+    b = m.allocate_block()
+    k, v = rand(1, dtype=dtype), rand(2, dtype=dtype)
+    m.write_kv(b.block_id, 0, k, v)
+    rk, rv = m.read_kv([b.block_id], 0)
+    assert isinstance(rk, mx.array) and isinstance(rv, mx.array)
+    assert rk.dtype == MXDT[dtype] and rv.dtype == MXDT[dtype]
+    assert rk.shape == (H, T, D) and rv.shape == (H, T, D)
+    assert np.array_equal(as_np(rk), as_np(k))      # exact: same dtype both ways
+    assert np.array_equal(as_np(rv), as_np(v))
+    assert not np.array_equal(as_np(rk), as_np(rv))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_write_converts_other_dtypes(make_pool, dtype):
+    m = kv_pool(make_pool, dtype)
+    b = m.allocate_block().block_id
+    k32 = rand(3, dtype="float32")
+    m.write_kv(b, 0, k32, k32)
+    rk, _ = m.read_kv([b], 0)
+    assert rk.dtype == MXDT[dtype]
+    assert np.array_equal(as_np(rk), as_np(k32.astype(MXDT[dtype])))
+
+
+def test_layers_are_separate(make_pool):
+    m = kv_pool(make_pool)
+    b = m.allocate_block().block_id
+    m.write_kv(b, 0, rand(1), rand(2))
+    m.write_kv(b, 1, rand(3), rand(4))
+    k0, v0 = m.read_kv([b], 0)
+    k1, v1 = m.read_kv([b], 1)
+    assert np.array_equal(as_np(k0), as_np(rand(1)))
+    assert np.array_equal(as_np(k1), as_np(rand(3)))
+    assert np.array_equal(as_np(v1), as_np(rand(4)))
+
+
+def test_start_offset_writes_only_those_tokens(make_pool):
+    m = kv_pool(make_pool)
+    b = m.allocate_block().block_id
+    full_k, full_v = rand(10), rand(11)
+    m.write_kv(b, 0, full_k, full_v)
+    part_k, part_v = rand(12, tokens=2), rand(13, tokens=2)
+    m.write_kv(b, 0, part_k, part_v, start=1)
+    rk, rv = m.read_kv([b], 0)
+    rk, rv = as_np(rk), as_np(rv)
+    assert np.array_equal(rk[:, 0], as_np(full_k)[:, 0])
+    assert np.array_equal(rk[:, 1:3], as_np(part_k))
+    assert np.array_equal(rk[:, 3], as_np(full_k)[:, 3])
+    assert np.array_equal(rv[:, 1:3], as_np(part_v))
+    # the last slot exactly
+    m.write_kv(b, 0, rand(14, tokens=1), rand(15, tokens=1), start=T - 1)
+    rk, _ = m.read_kv([b], 0)
+    assert np.array_equal(as_np(rk)[:, T - 1], as_np(rand(14, tokens=1))[:, 0])
+
+
+def test_read_order_follows_block_ids(make_pool):
+    m = kv_pool(make_pool)
+    ids = [b.block_id for b in m.get_new_blocks(3)]
+    for i, b in enumerate(ids):
+        m.write_kv(b, 0, rand(100 + i), rand(200 + i))
+    order = [ids[2], ids[0], ids[1], ids[0]]
+    rk, rv = m.read_kv(order, 0)
+    assert rk.shape == (H, 4 * T, D) and rv.shape == (H, 4 * T, D)
+    want_k = np.concatenate([as_np(rand(100 + ids.index(b))) for b in order], axis=1)
+    want_v = np.concatenate([as_np(rand(200 + ids.index(b))) for b in order], axis=1)
+    assert np.array_equal(as_np(rk), want_k)
+    assert np.array_equal(as_np(rv), want_v)
+
+
+def test_read_accepts_block_views(make_pool):
+    m = kv_pool(make_pool)
+    b = m.allocate_block()
+    m.write_kv(b, 0, rand(1), rand(2))
+    rk, _ = m.read_kv([b], 0)
+    assert np.array_equal(as_np(rk), as_np(rand(1)))
+
+
+def test_read_is_a_copy(make_pool):
+    m = kv_pool(make_pool)
+    b = m.allocate_block().block_id
+    m.write_kv(b, 0, rand(1), rand(2))
+    rk, _ = m.read_kv([b], 0)
+    before = as_np(rk).copy()
+    m.write_kv(b, 0, rand(5), rand(6))
+    assert np.array_equal(as_np(rk), before)
+
+
+def test_payload_visible_through_attached_manager(make_pool):
+    m = kv_pool(make_pool)
+    other = shmcache.attach(m.name)
+    try:
+        b = m.allocate_block().block_id
+        m.write_kv(b, 1, rand(7), rand(8))
+        rk, rv = other.read_kv([b], 1)
+        assert np.array_equal(as_np(rk), as_np(rand(7)))
+        assert np.array_equal(as_np(rv), as_np(rand(8)))
+    finally:
+        other.close()
+
+
+def test_cache_data_of_a_live_block(make_pool):
+    m = kv_pool(make_pool)
+    b = m.allocate_block()
+    b.cache_data = [(rand(1), rand(2)), (rand(3), rand(4))]
+    data = b.cache_data
+    assert len(data) == 2
+    assert np.array_equal(as_np(data[1][0]), as_np(rand(3)))
+    assert np.array_equal(as_np(data[0][1]), as_np(rand(2)))
+
+
+@pytest.mark.parametrize("layer", [-1, 2, 99, 1.0, "0", True, None])
+def test_bad_layer_raises(make_pool, layer):
+    m = kv_pool(make_pool)
+    b = m.allocate_block().block_id
+    m.write_kv(b, 0, rand(1), rand(2))
+    with pytest.raises(ValueError):
+        m.write_kv(b, layer, rand(3), rand(4))
+    with pytest.raises(ValueError):
+        m.read_kv([b], layer)
+    assert np.array_equal(as_np(m.read_kv([b], 0)[0]), as_np(rand(1)))
+
+
+@pytest.mark.parametrize("shape", [(H, T, D + 1), (H + 1, T, D), (H, T + 1, D), (T, D), (1, H, T, D)])
+def test_bad_shape_raises(make_pool, shape):
+    m = kv_pool(make_pool)
+    b = m.allocate_block().block_id
+    m.write_kv(b, 0, rand(1), rand(2))
+    bad = mx.zeros(shape, dtype=mx.float16)
+    with pytest.raises(ValueError):
+        m.write_kv(b, 0, bad, bad)
+    with pytest.raises(ValueError):
+        m.write_kv(b, 0, rand(3), bad)
+    assert np.array_equal(as_np(m.read_kv([b], 0)[0]), as_np(rand(1)))
+
+
+def test_keys_values_shape_mismatch_raises(make_pool):
+    m = kv_pool(make_pool)
+    b = m.allocate_block().block_id
+    with pytest.raises(ValueError):
+        m.write_kv(b, 0, rand(1, tokens=2), rand(2, tokens=3))
+
+
+@pytest.mark.parametrize("start", [-1, T, 3, 1.5, True])
+def test_bad_start_raises(make_pool, start):
+    m = kv_pool(make_pool)
+    b = m.allocate_block().block_id
+    m.write_kv(b, 0, rand(1), rand(2))
+    with pytest.raises(ValueError):
+        m.write_kv(b, 0, rand(3, tokens=2), rand(4, tokens=2), start=start)
+    assert np.array_equal(as_np(m.read_kv([b], 0)[0]), as_np(rand(1)))
+
+
+@pytest.mark.parametrize("bid", [-1, 16, 1000])
+def test_bad_block_id_raises(make_pool, bid):
+    m = kv_pool(make_pool)
+    with pytest.raises(ValueError):
+        m.write_kv(bid, 0, rand(1), rand(2))
+    with pytest.raises(ValueError):
+        m.read_kv([1, bid], 0)
+
+
+def test_pool_without_arena(make_pool):
+    m = make_pool(block_size=4, max_blocks=8, num_layers=0)
+    b = m.allocate_block()
+    assert m.layout.arena_size == 0
+    with pytest.raises(ValueError):
+        m.write_kv(b.block_id, 0, rand(1), rand(2))
+    with pytest.raises(ValueError):
+        m.read_kv([b.block_id], 0)
+    assert b.cache_data is None
+
+
+def test_default_pool_has_small_arena():
+    m = shmcache.PagedCacheManager(block_size=4, max_blocks=8)
+    try:
+        lay = m.layout
+        assert lay.num_layers >= 1 and lay.arena_size > 0
+        b = m.allocate_block().block_id
+        k = mx.ones((lay.num_kv_heads, 4, lay.head_dim), dtype=mx.float16)
+        m.write_kv(b, 0, k, k * 2)
+        rk, rv = m.read_kv([b], 0)
+        assert float(rk.sum()) == k.size and float(rv.sum()) == 2 * k.size
+    finally:
+        m.close()

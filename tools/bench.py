@@ -1,0 +1,199 @@
+"""``make bench``: run the benchmark sections and print one table.
+
+Each section is a module with ``run(args) -> list[dict]`` (rows made with
+:func:`row`) and, optionally, ``add_args(parser)`` for its own options. To
+add one, append ``(name, module)`` to ``SECTIONS``; it is imported only when
+it runs, so a section whose dependencies are missing fails alone.
+
+    python -m tools.bench                 # every section
+    python -m tools.bench --only pool     # some sections
+    python -m tools.bench --json out.json # also write the rows as JSON
+
+A benchmark, not a test: unmet targets are reported (``met?`` = no) but do
+not change the exit status; a section that crashes does (exit 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import platform
+import sys
+import time
+import traceback
+
+# (section name, module): run in this order.
+SECTIONS = [
+    ("pool", "tools.bench_pool"),
+    # ("workers", "tools.bench_workers"),
+]
+
+_OPS = {"<=": lambda v, t: v <= t, ">=": lambda v, t: v >= t,
+        "<": lambda v, t: v < t, ">": lambda v, t: v > t}
+
+
+def row(metric: str, ours=None, seed=None, *, unit: str = "", target=None,
+        on: str = "ratio", ratio=None, note: str = "", section: str = "") -> dict:
+    """One line of the table.
+
+    Args:
+        metric: what is measured.
+        ours, seed: the two figures (numbers in ``unit``, or None).
+        target: ``(op, value)`` such as ``("<=", 2.0)``, or None for an info row.
+        on: what the target applies to: ``"ratio"`` (ours / seed) or ``"ours"``.
+        ratio: override ours / seed (computed when both are numbers); False
+            for none.
+    """
+    if ratio is False:
+        ratio = None
+    elif ratio is None and _num(ours) and _num(seed) and seed != 0:
+        ratio = ours / seed
+    met = None
+    if target is not None:
+        op, tv = target
+        v = ratio if on == "ratio" else ours
+        met = bool(_OPS[op](v, tv)) if _num(v) else None
+    return {"section": section, "metric": metric, "shmcache": ours, "seed": seed,
+            "ratio": ratio, "unit": unit,
+            "target": None if target is None else f"{'ratio' if on == 'ratio' else 'value'} "
+                                                 f"{target[0]} {target[1]:g}",
+            "met": met, "note": note}
+
+
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _fmt(v, unit: str) -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, str):
+        return v
+    if not _num(v):
+        return str(v)
+    if unit == "us":
+        return f"{v:.3f} us" if v < 10 else f"{v:.1f} us"
+    if unit == "s":
+        return f"{v * 1e3:.1f} ms" if v < 1 else f"{v:.2f} s"
+    if unit == "B":
+        return f"{v:,.1f} B" if v < 1e4 else f"{v / 2**20:,.1f} MiB"
+    if unit == "ops/s":
+        return f"{v / 1e6:.2f} M/s" if v >= 1e6 else f"{v / 1e3:,.0f} k/s"
+    if unit == "x":
+        return f"{v:.2f}x"
+    return f"{v:.4g} {unit}".rstrip()
+
+
+def print_table(rows: list, out=sys.stdout) -> None:
+    head = ["metric", "shmcache", "seed", "ratio", "target", "met?"]
+    body = []
+    for r in rows:
+        met = {True: "yes", False: "NO", None: ""}[r["met"]]
+        body.append([r["metric"], _fmt(r["shmcache"], r["unit"]), _fmt(r["seed"], r["unit"]),
+                     "" if r["ratio"] is None else f"{r['ratio']:.3f}x",
+                     r["target"] or "", met])
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h)
+              for i, h in enumerate(head)]
+    line = " | ".join(h.ljust(w) for h, w in zip(head, widths))
+    print(line, file=out)
+    print("-+-".join("-" * w for w in widths), file=out)
+    section = None
+    for r, b in zip(rows, body):
+        if r["section"] != section and section is not None:
+            print("-+-".join("-" * w for w in widths), file=out)
+        section = r["section"]
+        print(" | ".join(c.ljust(w) for c, w in zip(b, widths)), file=out)
+    notes = [(r["metric"], r["note"]) for r in rows if r["note"]]
+    if notes:
+        print("\nnotes:", file=out)
+        for m, n in notes:
+            print(f"  {m}: {n}", file=out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", metavar="PATH", help="also write the rows (and machine info) as JSON")
+    ap.add_argument("--only", metavar="NAME", action="append",
+                    help=f"run only these sections (of {', '.join(n for n, _ in SECTIONS)})")
+    ap.add_argument("--quick", action="store_true", help="fewer, shorter trials (noisier)")
+    only = ap.parse_known_args(argv)[0].only
+    unknown = set(only or ()) - {n for n, _ in SECTIONS}
+    if unknown:
+        ap.error(f"unknown section(s) {sorted(unknown)}")
+    mods = []
+    for name, modname in SECTIONS:
+        if only and name not in only:
+            continue
+        try:
+            mod = importlib.import_module(modname)
+        except Exception:
+            mods.append((name, None, traceback.format_exc()))
+            continue
+        if hasattr(mod, "add_args"):
+            mod.add_args(ap.add_argument_group(f"section {name}"))
+        mods.append((name, mod, None))
+    args = ap.parse_args(argv)
+
+    rows, failed = [], []
+    t_all = time.perf_counter()
+    load0 = _load()
+    for name, mod, err in mods:
+        t0 = time.perf_counter()
+        print(f"[bench] section {name} ...", file=sys.stderr, flush=True)
+        if mod is None:
+            failed.append(name)
+            print(f"[bench] section {name} could not be imported:\n{err}", file=sys.stderr)
+            continue
+        try:
+            got = mod.run(args)
+        except Exception:
+            failed.append(name)
+            print(f"[bench] section {name} failed:\n{traceback.format_exc()}", file=sys.stderr)
+            continue
+        for r in got:
+            r["section"] = r.get("section") or name
+        rows.extend(got)
+        print(f"[bench] section {name} done in {time.perf_counter() - t0:.1f} s",
+              file=sys.stderr, flush=True)
+
+    print()
+    print_table(rows)
+    total = time.perf_counter() - t_all
+    load1 = _load()
+    print(f"\n{len(rows)} rows in {total:.1f} s; python {platform.python_version()}, "
+          f"{platform.machine()}, {_cpus()} cpus; load average {load0:.2f} before, {load1:.2f} after"
+          + (f"; FAILED sections: {failed}" if failed else ""))
+    if max(load0, load1) > 0.5 * _cpus():
+        print("warning: other processes were using the CPUs; the figures are noisy "
+              "(run again on a quiet machine)")
+    if args.json:
+        doc = {"rows": rows, "failed_sections": failed, "seconds": total,
+               "load_average": [load0, load1],
+               "python": platform.python_version(), "machine": platform.machine(),
+               "cpus": _cpus(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=2)
+    return 1 if failed else 0
+
+
+def _load() -> float:
+    import os
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return 0.0
+
+
+def _cpus() -> int:
+    import os
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,641 @@
+"""Pool benchmark: shmcache through an attached manager against the seed.
+
+The seed is ``vllm_mlx.paged_cache`` from ``vllm-mlx==0.6.0`` (installed by
+``make bench`` with ``--no-deps``; never a dependency of shmcache), run in
+this process. shmcache is measured through a manager from
+``shmcache.attach(name)`` over a pool made by ``shmcache.create_pool`` (the
+worker processes of item 5 attach by name on their own).
+
+Measured, interleaving the two implementations trial by trial and reporting
+the median of the trials (each trial runs many repetitions after a warm-up):
+
+1. ``allocate_block()`` + ``free_block(b.block_id)``, per pair.
+2. ``get_new_blocks(64)`` + a batch free of those blocks, per block. The
+   seed's batch free is whatever ``type(mgr).__dict__`` offers as a function:
+   ``free_block_batch`` in 0.6.0, else ``free_blocks`` if it is not shadowed
+   by the property, else ``free_block`` in a loop (the row's note says which).
+3. Prefix cache, block_size 16, a 64-block (1024-token) request: with 64
+   freshly allocated blocks and a token sequence never seen before,
+   ``cache_full_blocks(blocks, tokens, 0, 64)`` (fresh insert), then
+   ``get_computed_blocks(tokens)`` (a full 64-block hit), each per block, and
+   their sum; between repetitions the blocks are freed and the prefix cache
+   reset (untimed). Info row: lookup + taking references, shmcache's atomic
+   ``acquire_computed_blocks`` against the seed's ``get_computed_blocks`` +
+   ``touch``.
+4. Creating a 1,000,000-block pool: the time of ``create_pool`` (metadata
+   only, ``num_layers=0``, which is what the seed builds; and with the default
+   KV layout) against ``PagedCacheManager(max_blocks=1_000_000)``; metadata
+   bytes per block (``layout.metadata_size / max_blocks``) against the
+   seed's Python heap per block (tracemalloc; RSS delta in the note).
+5. Aggregate batched throughput (``get_new_blocks(64)`` + ``free_block_batch``,
+   counted in blocks per second) of 2 worker processes against 1, each
+   started on its own with ``python -m tools.bench_pool --worker NAME`` and
+   attaching by name, all running over the same wall-clock window. The seed
+   column gives, for reference, 1 and 2 threads sharing one seed manager (the
+   only way the seed can be shared).
+
+``python -m tools.bench_pool --profile`` profiles items 1, 2 and 3 for
+shmcache (cProfile, plus a break-down of the fixed cost of one locked call).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import importlib.util
+import os
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import shmcache
+from shmcache import segment
+
+try:
+    from tools.bench import row
+except ImportError:  # run as a file
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tools.bench import row
+
+PREFIX = f"bench-{os.getpid()}-"
+BATCH = 64
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+perf = time.perf_counter
+
+
+# ---------------------------------------------------------------- the seed
+def load_seed():
+    """The seed module ``vllm_mlx.paged_cache``, or None if it is not installed."""
+    try:
+        return importlib.import_module("vllm_mlx.paged_cache")
+    except ModuleNotFoundError as e:
+        if e.name in ("vllm_mlx", "vllm_mlx.paged_cache"):
+            return None
+    except Exception:
+        pass
+    # The package __init__ pulled in something heavy or missing: load the file alone.
+    spec = importlib.util.find_spec("vllm_mlx")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], "paged_cache.py")
+    s = importlib.util.spec_from_file_location("_seed_paged_cache", path)
+    mod = importlib.util.module_from_spec(s)
+    sys.modules[s.name] = mod
+    s.loader.exec_module(mod)
+    return mod
+
+
+def seed_batch_free(mgr):
+    """(callable freeing a list of blocks, how) for a seed manager."""
+    d = type(mgr).__dict__
+    for name in ("free_block_batch", "free_blocks"):
+        f = d.get(name)
+        if callable(f) and not isinstance(f, property):
+            return getattr(mgr, name), f"seed {name}(blocks)"
+    free = mgr.free_block
+
+    def loop(blocks):
+        for b in blocks:
+            free(b.block_id)
+    return loop, "seed free_block per block (no batch free reachable)"
+
+
+# ----------------------------------------------------------------- helpers
+class Pools:
+    """Named pools made by this benchmark; ``close`` detaches and destroys them all."""
+
+    def __init__(self) -> None:
+        self.creators, self.attached, self._n = [], [], 0
+
+    def create(self, tag: str, **kw):
+        """(name, attached manager) of a new pool."""
+        self._n += 1
+        name = f"{PREFIX}{tag}-{self._n}"
+        self.creators.append(shmcache.create_pool(name, **kw))
+        m = shmcache.attach(name)
+        self.attached.append(m)
+        return name, m
+
+    def close(self) -> None:
+        for m in self.attached:
+            try:
+                m.close()
+            except Exception:
+                pass
+        for c in self.creators:
+            try:
+                c.destroy()
+            except Exception:
+                pass
+        self.attached, self.creators = [], []
+        cleanup_segments()
+
+
+def cleanup_segments() -> list:
+    left = [n for n in segment.list_names() if n.startswith(PREFIX)]
+    for n in left:
+        segment.unlink(n)
+    return left
+
+
+def calibrate(fn, target_s: float) -> int:
+    """Iterations of ``fn(n) -> seconds`` for one trial of about ``target_s``."""
+    n = 8
+    while True:
+        t = fn(n)
+        if t >= 0.02 or n >= 1 << 24:
+            return max(1, int(n * target_s / max(t, 1e-9)))
+        n *= 4
+
+
+def interleaved(fns: dict, trials: int, target_s: float, per: int = 1) -> dict:
+    """Median seconds per unit of each ``fns[k](n) -> seconds`` (n iterations of
+    ``per`` units), trials alternating between the implementations."""
+    ns = {k: calibrate(f, target_s) for k, f in fns.items()}
+    res = {k: [] for k in fns}
+    keys = list(fns)
+    for i in range(trials):
+        for k in (keys if i % 2 == 0 else keys[::-1]):
+            gc.collect()
+            res[k].append(fns[k](ns[k]) / (ns[k] * per))
+    return {k: statistics.median(v) for k, v in res.items()}
+
+
+def _pair(m):
+    alloc, free = m.allocate_block, m.free_block
+
+    def fn(n):
+        t = perf()
+        for _ in range(n):
+            b = alloc()
+            free(b.block_id)
+        return perf() - t
+    return fn
+
+
+def _batch(m, free_batch):
+    get = m.get_new_blocks
+
+    def fn(n):
+        t = perf()
+        for _ in range(n):
+            free_batch(get(BATCH))
+        return perf() - t
+    return fn
+
+
+# ------------------------------------------------------------- items 1, 2
+def bench_alloc(seed, pools: Pools, trials: int, target_s: float) -> list:
+    _, ours = pools.create("alloc", max_blocks=1000)
+    rows = []
+    sm = seed.PagedCacheManager(max_blocks=1000) if seed else None
+    fns = {"ours": _pair(ours)}
+    if sm:
+        fns["seed"] = _pair(sm)
+    r = interleaved(fns, trials, target_s)
+    rows.append(row("1. allocate_block + free_block, per pair", r["ours"] * 1e6,
+                    r.get("seed", 0) * 1e6 or None, unit="us", target=("<=", 2.0)))
+    how = "n/a"
+    fns = {"ours": _batch(ours, ours.free_block_batch)}
+    if sm:
+        sfree, how = seed_batch_free(sm)
+        fns["seed"] = _batch(sm, sfree)
+    r = interleaved(fns, trials, target_s, per=BATCH)
+    rows.append(row("2. get_new_blocks(64) + batch free, per block", r["ours"] * 1e6,
+                    r.get("seed", 0) * 1e6 or None, unit="us", target=("<=", 1.0),
+                    note=f"ours free_block_batch(blocks); {how}"))
+    problems = ours.check()
+    if problems:
+        raise AssertionError(f"pool inconsistent after items 1-2: {problems[:5]}")
+    return rows
+
+
+# ----------------------------------------------------------------- item 3
+def bench_prefix(seed, pools: Pools, trials: int, reps: int) -> list:
+    bs, nblk = 16, 64
+    _, ours = pools.create("prefix", block_size=bs, max_blocks=1024)
+    impls = {"ours": (ours, ours.free_block_batch, ours.acquire_computed_blocks)}
+    if seed:
+        sm = seed.PagedCacheManager(block_size=bs, max_blocks=1024)
+        sfree, _ = seed_batch_free(sm)
+
+        def seed_acquire(tokens, _g=sm.get_computed_blocks, _t=sm.touch):
+            blocks, n = _g(tokens)
+            _t(blocks)
+            return blocks, n
+        impls["seed"] = (sm, sfree, seed_acquire)
+    rng = random.Random(1234)
+
+    def tokens():
+        return [rng.randrange(50_000) for _ in range(bs * nblk)]
+
+    def one_trial(impl, seqs):
+        m, free_batch, acquire = impl
+        tc = tl = ta = 0.0
+        for toks in seqs:
+            blocks = m.get_new_blocks(nblk)
+            t0 = perf()
+            m.cache_full_blocks(blocks, toks, 0, nblk)
+            t1 = perf()
+            found, ntok = m.get_computed_blocks(toks)
+            t2 = perf()
+            acq, _ = acquire(toks)
+            t3 = perf()
+            if len(found) != nblk or ntok != nblk * bs or len(acq) != nblk:
+                raise AssertionError(f"expected a {nblk}-block hit, got {len(found)}/{len(acq)}")
+            tc, tl, ta = tc + t1 - t0, tl + t2 - t1, ta + t3 - t2
+            free_batch(acq)
+            free_batch(blocks)
+            if not m.reset_prefix_cache():
+                raise AssertionError("reset_prefix_cache refused: blocks still in use")
+        k = len(seqs) * nblk
+        return tc / k, tl / k, ta / k
+
+    for impl in impls.values():   # warm up
+        one_trial(impl, [tokens() for _ in range(3)])
+    res = {k: ([], [], []) for k in impls}
+    keys = list(impls)
+    for i in range(trials):
+        seqs = [tokens() for _ in range(reps)]   # the same new sequences for both
+        for k in (keys if i % 2 == 0 else keys[::-1]):
+            gc.collect()
+            for acc, v in zip(res[k], one_trial(impls[k], seqs)):
+                acc.append(v)
+    med = {k: [statistics.median(a) * 1e6 for a in v] for k, v in res.items()}
+    sums = {k: statistics.median([a + b for a, b in zip(v[0], v[1])]) * 1e6 for k, v in res.items()}
+    s = med.get("seed", [None] * 3)
+    problems = ours.check()
+    if problems:
+        raise AssertionError(f"pool inconsistent after item 3: {problems[:5]}")
+    return [
+        row("3a. cache_full_blocks (fresh insert), per 16-token block", med["ours"][0], s[0], unit="us",
+            note=f"64-block requests of new random tokens, {reps} per trial; blocks freed and "
+                 "prefix cache reset between requests (untimed)"),
+        row("3b. get_computed_blocks (full hit), per block", med["ours"][1], s[1], unit="us"),
+        row("3.  cache_full_blocks + get_computed_blocks, per block", sums["ours"],
+            sums.get("seed"), unit="us", target=("<=", 0.5)),
+        row("3c. lookup + take refs, per block (info)", med["ours"][2], s[2], unit="us",
+            note="ours acquire_computed_blocks (atomic); seed get_computed_blocks + touch"),
+    ]
+
+
+# ----------------------------------------------------------------- item 4
+def bench_create(seed, trials: int) -> list:
+    nb = 1_000_000
+    rows = []
+
+    def create_ours(**kw):
+        name = f"{PREFIX}big"
+        gc.collect()
+        t0 = perf()
+        c = shmcache.create_pool(name, max_blocks=nb, **kw)
+        t1 = perf()
+        try:
+            a0 = perf()
+            a = shmcache.attach(name)
+            a1 = perf()
+            a.close()
+            return t1 - t0, a1 - a0, c.layout
+        finally:
+            c.destroy()
+
+    def create_seed():
+        gc.collect()
+        t0 = perf()
+        m = seed.PagedCacheManager(max_blocks=nb)
+        t = perf() - t0
+        del m
+        gc.collect()
+        return t
+
+    t_meta, t_attach, t_seed, t_full = [], [], [], []
+    lay0 = lay1 = None
+    for i in range(trials):
+        t, ta, lay0 = create_ours(num_layers=0)
+        t_meta.append(t)
+        t_attach.append(ta)
+        if seed:
+            t_seed.append(create_seed())
+    # default layout: reserve the KV arena too (skip if /dev/shm is too small)
+    from shmcache import layout as L
+    probe = L.compute_layout(64, nb, True, 1, 1, 8, "float16", 64, 4096, 2 * nb + 256)
+    st = os.statvfs(segment.SHM_DIR)
+    full_note = ""
+    if st.f_bavail * st.f_frsize > 1.5 * probe.total_size:
+        for i in range(max(1, trials - 1)):
+            t, _, lay1 = create_ours()
+            t_full.append(t)
+    else:
+        full_note = f"skipped: /dev/shm has less than 1.5x {probe.total_size:,} bytes free"
+
+    seed_bytes = seed_rss = None
+    if seed:
+        import psutil
+        import tracemalloc
+        proc = psutil.Process()
+        gc.collect()
+        rss0 = proc.memory_info().rss
+        tracemalloc.start()
+        b0 = tracemalloc.get_traced_memory()[0]
+        m = seed.PagedCacheManager(max_blocks=nb)
+        seed_bytes = (tracemalloc.get_traced_memory()[0] - b0) / nb
+        tracemalloc.stop()
+        seed_rss = (proc.memory_info().rss - rss0) / nb
+        del m
+        gc.collect()
+
+    med = statistics.median
+    ts = med(t_seed) if t_seed else None
+    rows.append(row("4.  create 1M-block pool, metadata only (num_layers=0)", med(t_meta), ts,
+                    unit="s", target=("<=", 0.1),
+                    note="ours shmcache.create_pool(max_blocks=1_000_000, num_layers=0); "
+                         "seed PagedCacheManager(max_blocks=1_000_000)"))
+    if t_full:
+        rows.append(row(f"4b. create 1M-block pool, default KV layout "
+                        f"({lay1.arena_size / 2**30:.2f} GiB arena)", med(t_full), ts, unit="s",
+                        note="default layout: num_layers=1, num_kv_heads=1, head_dim=8, float16, "
+                             "block_size=64; the arena is reserved with posix_fallocate"))
+    else:
+        rows.append(row("4b. create 1M-block pool, default KV layout", None, ts, unit="s",
+                        note=full_note))
+    rows.append(row("4c. attach to a 1M-block pool (info)", med(t_attach), None, unit="s"))
+    rows.append(row("4.  metadata bytes per block (1M blocks)", lay0.metadata_size / nb,
+                    seed_bytes, unit="B", target=("<=", 64), on="ours",
+                    note=_meta_note(lay0, nb) + (f"; seed: tracemalloc (Python heap) per block, "
+                                                 f"RSS delta {seed_rss:.1f} B/block"
+                                                 if seed else "")))
+    if lay1 is not None:
+        rows.append(row("4d. KV arena bytes per block, default layout (info)",
+                        lay1.arena_size / nb, None, unit="B",
+                        note=f"metadata with the default layout: {lay1.metadata_size / nb:.1f} B/block "
+                             "(same sections); the seed keeps no KV arena of its own"))
+    return rows
+
+
+def _meta_note(lay, nb) -> str:
+    parts = [("blocks", lay.hash_off - lay.blocks_off), ("prefix index", lay.refs_off - lay.hash_off),
+             ("refs", lay.tables_off - lay.refs_off),
+             ("tables+index", lay.arena_off - lay.tables_off),
+             ("header+slots", lay.blocks_off)]
+    return "ours per block: " + ", ".join(f"{k} {v / nb:.1f}" for k, v in parts)
+
+
+# ----------------------------------------------------------------- item 5
+class Worker:
+    """A benchmark worker process, started on its own, that attaches by name."""
+
+    def __init__(self, name: str) -> None:
+        self.p = subprocess.Popen([sys.executable, "-m", "tools.bench_pool", "--worker", name],
+                                  cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  text=True, bufsize=1)
+
+    def expect(self, what: str) -> str:
+        line = self.p.stdout.readline()
+        if not line.startswith(what):
+            raise RuntimeError(f"bench worker {self.p.pid}: expected {what!r}, got {line!r} "
+                               f"(exit code {self.p.poll()})")
+        return line[len(what):].strip()
+
+    def send(self, line: str) -> None:
+        self.p.stdin.write(line + "\n")
+        self.p.stdin.flush()
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            try:
+                self.send("quit")
+                self.p.wait(timeout=10)
+            except Exception:
+                self.p.kill()
+                self.p.wait()
+
+
+def worker_main(name: str) -> int:
+    m = shmcache.attach(name)
+    try:
+        get, free = m.get_new_blocks, m.free_block_batch
+        print("ready", flush=True)
+        for line in sys.stdin:
+            cmd = line.split()
+            if not cmd or cmd[0] == "quit":
+                break
+            start, dur = float(cmd[1]), float(cmd[2])
+            for _ in range(20):
+                free(get(BATCH))
+            while (d := start - time.monotonic()) > 0:
+                time.sleep(min(d, 0.001) if d < 0.01 else d - 0.005)
+            end, n = start + dur, 0
+            while True:
+                free(get(BATCH))
+                n += 1
+                if time.monotonic() >= end:
+                    break
+            print(f"done {n * BATCH} {time.monotonic() - start}", flush=True)
+    finally:
+        m.close()
+    return 0
+
+
+def _ours_throughput(workers, k: int, dur: float) -> float:
+    start = time.monotonic() + 0.15
+    for w in workers[:k]:
+        w.send(f"run {start} {dur}")
+    tot = 0.0
+    for w in workers[:k]:
+        blocks, el = w.expect("done").split()
+        tot += int(blocks) / float(el)
+    return tot
+
+
+def _seed_throughput(sm, free_batch, k: int, dur: float) -> float:
+    get, out = sm.get_new_blocks, []
+    barrier = threading.Barrier(k)
+
+    def body():
+        barrier.wait()
+        t0 = time.monotonic()
+        end, n = t0 + dur, 0
+        while True:
+            free_batch(get(BATCH))
+            n += 1
+            if time.monotonic() >= end:
+                break
+        out.append(n * BATCH / (time.monotonic() - t0))
+    ts = [threading.Thread(target=body) for _ in range(k)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return sum(out)
+
+
+def bench_scaling(seed, pools: Pools, trials: int, dur: float) -> list:
+    name, ours = pools.create("scale", max_blocks=1000)
+    workers = []
+    try:
+        workers = [Worker(name) for _ in range(2)]
+        for w in workers:
+            w.expect("ready")
+        one, two = [], []
+        for i in range(trials):
+            for k in ((1, 2) if i % 2 == 0 else (2, 1)):
+                (one if k == 1 else two).append(_ours_throughput(workers, k, dur))
+    finally:
+        for w in workers:
+            w.stop()
+    s1 = s2 = None
+    if seed:
+        sm = seed.PagedCacheManager(max_blocks=1000)
+        sfree, _ = seed_batch_free(sm)
+        _seed_throughput(sm, sfree, 1, 0.1)
+        a, b = [], []
+        for i in range(max(1, trials // 2 + 1)):
+            a.append(_seed_throughput(sm, sfree, 1, dur / 2))
+            b.append(_seed_throughput(sm, sfree, 2, dur / 2))
+        s1, s2 = statistics.median(a), statistics.median(b)
+    problems = ours.check()
+    if problems:
+        raise AssertionError(f"pool inconsistent after item 5: {problems[:5]}")
+    med = statistics.median
+    o1, o2 = med(one), med(two)
+    return [
+        row("5a. batched 64-block alloc+free, 1 process, blocks/s", o1, s1, unit="ops/s",
+            note=f"{trials} trials of {dur:g} s per process count; seed column: threads "
+                 "sharing one seed manager in this process (GIL-bound), for reference"),
+        row("5b. same, 2 processes (aggregate)", o2, s2, unit="ops/s"),
+        row("5.  aggregate throughput, 2 processes / 1", o2 / o1, s2 / s1 if seed else None,
+            unit="x", ratio=False, target=(">=", 1.3), on="ours",
+            note="seed figure is 2 threads / 1 thread"),
+    ]
+
+
+# --------------------------------------------------------------------- run
+def add_args(ap) -> None:
+    ap.add_argument("--pool-trials", type=int, default=7, help="trials per micro-benchmark")
+    ap.add_argument("--scale-seconds", type=float, default=1.0,
+                    help="length of one throughput trial of item 5")
+
+
+def run(args) -> list:
+    quick = getattr(args, "quick", False)
+    trials = 3 if quick else getattr(args, "pool_trials", 7)
+    target_s = 0.05 if quick else 0.15
+    seed = load_seed()
+    rows = []
+    pools = Pools()
+    try:
+        t = perf()
+        rows += bench_alloc(seed, pools, trials, target_s)
+        _log(f"items 1-2 in {perf() - t:.1f} s")
+        t = perf()
+        rows += bench_prefix(seed, pools, trials, 10 if quick else 25)
+        _log(f"item 3 in {perf() - t:.1f} s")
+        pools.close()
+        t = perf()
+        rows += bench_create(seed, 2 if quick else 3)
+        _log(f"item 4 in {perf() - t:.1f} s")
+        t = perf()
+        rows += bench_scaling(seed, pools, 3 if quick else 5,
+                              0.5 if quick else getattr(args, "scale_seconds", 1.0))
+        _log(f"item 5 in {perf() - t:.1f} s")
+    finally:
+        pools.close()
+    if seed is None:
+        for r in rows:
+            r["note"] = (r["note"] + "; " if r["note"] else "") + \
+                "seed not installed: pip install --no-deps vllm-mlx==0.6.0"
+    return rows
+
+
+def _log(msg: str) -> None:
+    print(f"[bench pool] {msg}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------- profile
+def profile(n_pair: int = 30000, n_batch: int = 1500, n_prefix: int = 203, top: int = 25) -> None:
+    import cProfile
+    import fcntl
+    import pstats
+    from shmcache.views import SharedBlock
+    pools = Pools()
+    try:
+        name, m = pools.create("prof", max_blocks=1000)
+        _pair(m)(2000)
+        _batch(m, m.free_block_batch)(100)
+        for label, fn, n in (("item 1: allocate_block + free_block", _pair(m), n_pair),
+                             ("item 2: get_new_blocks(64) + free_block_batch",
+                              _batch(m, m.free_block_batch), n_batch)):
+            pr = cProfile.Profile()
+            pr.enable()
+            fn(n)
+            pr.disable()
+            print(f"\n==== cProfile, {label}, {n} iterations (times inflated by the profiler)")
+            pstats.Stats(pr).strip_dirs().sort_stats("tottime").print_stats(top)
+        # item 3, for the prefix-cache target
+        _, m3 = pools.create("prof3", block_size=16, max_blocks=1024)
+        rng = random.Random(7)
+        seqs = [[rng.randrange(50_000) for _ in range(1024)] for _ in range(n_prefix)]
+        pr = cProfile.Profile()
+        for i, toks in enumerate(seqs):
+            blocks = m3.get_new_blocks(64)
+            if i >= 3:
+                pr.enable()
+            m3.cache_full_blocks(blocks, toks, 0, 64)
+            m3.get_computed_blocks(toks)
+            if i >= 3:
+                pr.disable()
+            m3.free_block_batch(blocks)
+            m3.reset_prefix_cache()
+        print(f"\n==== cProfile, item 3: cache_full_blocks + get_computed_blocks, "
+              f"{n_prefix - 3} requests of 64 blocks (times inflated by the profiler)")
+        pstats.Stats(pr).strip_dirs().sort_stats("tottime").print_stats(top)
+        # fixed costs of one locked call, without the profiler
+        p = m._p
+        fd = p.fd
+
+        def t(fn, n=200_000):
+            t0 = perf()
+            for _ in range(n):
+                fn()
+            return (perf() - t0) / n * 1e6
+
+        def flock_pair():
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+
+        def with_lock():
+            with p.lock:
+                pass
+
+        def with_lock_sync():
+            with p.lock:
+                m._sync()
+
+        b = m.allocate_block()
+        bid = b.block_id
+        print("\n==== fixed costs (us per call, no profiler)")
+        for label, fn in (("fcntl.flock LOCK_EX|NB + LOCK_UN", flock_pair),
+                          ("with pool.lock: pass", with_lock),
+                          ("with pool.lock: _sync()", with_lock_sync),
+                          ("SharedBlock(mgr, id)", lambda: SharedBlock(m, bid)),
+                          ("b.block_id (property)", lambda: b.block_id),
+                          ("_bid(block)", lambda: m._bid(b)),
+                          ("p.now()", p.now),
+                          ("allocate_block + free_block", lambda: m.free_block(m.allocate_block().block_id))):
+            print(f"  {label:40s} {t(fn, 50_000 if 'allocate' in label else 200_000):8.3f}")
+        m.free_block(bid)
+    finally:
+        pools.close()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 3 and sys.argv[1] == "--worker":
+        sys.exit(worker_main(sys.argv[2]))
+    if len(sys.argv) >= 2 and sys.argv[1] == "--profile":
+        profile()
+        sys.exit(0)
+    from tools.bench import main
+    sys.exit(main(["--only", "pool"] + sys.argv[1:]))

@@ -105,7 +105,10 @@ class TableOps(PoolOps):
 
     def can_append(self, table: BlockTable, num_new_tokens: int) -> bool:
         """Whether ``prepare_append(table, num_new_tokens)`` would find its blocks."""
+        if isinstance(num_new_tokens, bool) or not isinstance(num_new_tokens, int) or num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be a non-negative int, got {num_new_tokens!r}")
         with self._p.lock:
+            self._sync()
             cow, new = self._append_plan(self._table_index(table), num_new_tokens)
             return self._ensure_free(cow + new)
 

@@ -6,7 +6,6 @@ import random
 
 import pytest
 
-import shmcache
 from shmcache import layout as L
 from shmcache.errors import OutOfBlocksError
 
@@ -183,7 +182,7 @@ def test_evict_lru_blocks_does_not_reorder(manager):
 def test_evict_lru_blocks_drops_only_the_lru_blocks(make_pool):
     m = make_pool(block_size=4, max_blocks=8)     # 7 usable blocks
     t, ids, tokens = cached_table(m, "c", 3)
-    held = m.get_new_blocks(4)
+    m.get_new_blocks(4)
     m.delete_block_table("c")
     q = walk(m)
     assert q == [ids[2], ids[1], ids[0]]

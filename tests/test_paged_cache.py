@@ -213,7 +213,7 @@ def test_seed_signature(path):
 
 
 def test_seed_default_factories():
-    b1, b2 = pc.CacheBlock(block_id=1), pc.CacheBlock(block_id=2)
+    b1 = pc.CacheBlock(block_id=1)
     assert b1.last_access > 0
     t1, t2 = pc.BlockTable("a"), pc.BlockTable("b")
     assert t1.block_ids == [] and t1.block_ids is not t2.block_ids
@@ -1385,7 +1385,8 @@ def test_bad_counts(manager, n):
     manager.prepare_append(t, 3)
     before = snapshot(manager)
     for call in (manager.get_new_blocks, manager.allocate_blocks_for_tokens,
-                 manager.evict_lru_blocks, lambda k: manager.prepare_append(t, k)):
+                 manager.evict_lru_blocks, lambda k: manager.prepare_append(t, k),
+                 lambda k: manager.can_append(t, k)):
         with pytest.raises(ValueError):
             call(n)
     unchanged(manager, before)

@@ -191,7 +191,10 @@ class Supervisor:
         t0 = time.perf_counter()
         last_kill = last_progress = time.perf_counter()
         while len(self.results) + len(self.failures) < len(self.reqs):
-            self._dispatch(queue)
+            # Hold the work until every worker is up (a worker that is still
+            # importing MLX would otherwise see none of it), or 60 s passed.
+            if all(w.ready for w in self.workers) or time.perf_counter() - t0 > 60:
+                self._dispatch(queue)
             conns = {w.chan.conn: w for w in self.workers}
             for conn in wait_conns(list(conns), timeout=0.1):
                 w = conns[conn]

@@ -1,0 +1,99 @@
+"""End-to-end runs of ``python -m workers.supervisor`` with a small model.
+
+Each run starts real worker processes over a real shared pool. Parity: the
+tokens of every request are the same with the prefix cache on or off, with
+workers SIGKILLed mid-run, and under memory pressure with preemptions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from shmcache import segment
+from workers import workload
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["--layers", "2", "--dim", "64", "--system-tokens", "96", "--max-new-tokens", "6",
+         "--block-size", "16", "--requests", "10", "--quiet"]
+
+
+def run_supervisor(tmp_path, *extra, timeout=240):
+    out = tmp_path / f"report-{len(list(tmp_path.iterdir()))}.json"
+    before = set(segment.list_names())
+    proc = subprocess.run([sys.executable, "-m", "workers.supervisor", *SMALL, *extra,
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+    left = [n for n in set(segment.list_names()) - before if n.startswith("run-")]
+    for n in left:
+        segment.unlink(n)
+    assert not left, f"supervisor left segments {left}"
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(out.read_text())
+
+
+def outputs(report):
+    return {r["id"]: r["outputs"] for r in report["requests"]}
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    return run_supervisor(tmp_path_factory.mktemp("base"), "--workers", "2")
+
+
+@pytest.mark.timeout(300)
+def test_report_has_every_key_and_is_clean(baseline):
+    r = baseline
+    for k in ("requests", "prefix_hit_rate", "leaked_blocks", "check_violations", "worker_restarts",
+              "cow_copies", "evictions", "kv_bytes_in_pool", "kv_bytes_without_sharing",
+              "throughput_tokens_per_s", "ttft_cached_s", "ttft_uncached_s"):
+        assert k in r
+    assert len(r["requests"]) == 10 and not r["failed"]
+    for q in r["requests"]:
+        for k in ("id", "worker", "prompt_tokens", "cached_tokens", "outputs", "ttft_s", "preemptions"):
+            assert k in q
+        assert len(q["outputs"]) == q["n"] and all(len(o) == 6 for o in q["outputs"])
+    assert r["leaked_blocks"] == 0 and r["check_violations"] == 0
+    assert r["prefix_hit_rate"] > 0.3          # the shared system prompt is reused
+    assert r["cow_copies"] > 0                 # n > 1 requests copied their partial block
+    assert r["kv_bytes_in_pool"] < r["kv_bytes_without_sharing"]
+    assert {q["worker"] for q in r["requests"]} == {0, 1}
+
+
+@pytest.mark.timeout(300)
+def test_parity_without_prefix_cache(baseline, tmp_path):
+    r = run_supervisor(tmp_path, "--workers", "2", "--no-prefix-cache")
+    assert r["prefix_hit_rate"] == 0
+    assert outputs(r) == outputs(baseline)
+
+
+@pytest.mark.timeout(300)
+def test_parity_with_workers_killed(baseline, tmp_path):
+    r = run_supervisor(tmp_path, "--workers", "2", "--kill-worker-every", "1.5",
+                       "--requests", "10")
+    assert r["worker_kills"] >= 1 and r["worker_restarts"] >= 1
+    assert r["leaked_blocks"] == 0 and r["check_violations"] == 0
+    assert outputs(r) == outputs(baseline)
+
+
+@pytest.mark.timeout(300)
+def test_parity_under_memory_pressure(baseline, tmp_path):
+    reqs = workload.build(10, 0, 4096, 96, 6)
+    need = sum(workload.blocks_needed(q, 16) for q in reqs)
+    biggest = max(workload.blocks_needed(q, 16) for q in reqs)
+    blocks = max(need // 4, biggest + 2)
+    r = run_supervisor(tmp_path, "--workers", "2", "--max-blocks", str(blocks))
+    assert r["max_blocks"] <= need // 4 + 1 or r["max_blocks"] == biggest + 2
+    assert r["preemptions"] > 0 or r["evictions"] > 0
+    assert r["leaked_blocks"] == 0 and r["check_violations"] == 0
+    assert outputs(r) == outputs(baseline)
+
+
+def test_bad_flags_are_rejected():
+    proc = subprocess.run([sys.executable, "-m", "workers.supervisor", "--workers", "0"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "--workers" in proc.stderr

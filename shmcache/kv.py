@@ -66,16 +66,19 @@ def write(p, block_id: int, layer: int, keys, values, start: int = 0) -> None:
 def read(p, block_ids, layer: int):
     lay = p.layout
     ids = np.asarray(block_ids, dtype=np.int64)
-    shape = (lay.num_kv_heads, ids.size, lay.block_size, lay.head_dim)
+    H, n, T, D = lay.num_kv_heads, ids.size, lay.block_size, lay.head_dim
     out = []
     for kv in (0, 1):
-        dst = mx.zeros(shape, dtype=_MX[lay.dtype])
+        # Allocated in its final shape, so MLX never reshapes or slices (and
+        # so never copies) it. MLX has no uninitialised arrays: the zero fill
+        # is the price of gathering straight into MLX memory.
+        dst = mx.zeros((H, n * T, D), dtype=_MX[lay.dtype])
         mx.eval(dst)
-        np.take(p.arena[layer, kv], ids, axis=1, out=_np_view(dst))
-        dst = dst.reshape(lay.num_kv_heads, ids.size * lay.block_size, lay.head_dim)
-        if lay.dtype == "bfloat16":
-            dst = dst.view(mx.bfloat16)
-        out.append(dst)
+        # NOTE: mode="clip" (ids are validated by the caller): with the default
+        # mode="raise" numpy buffers ``out`` and copies twice.
+        np.take(p.arena[layer, kv], ids, axis=1, out=_np_view(dst).reshape(H, n, T, D),
+                mode="clip")
+        out.append(dst.view(mx.bfloat16) if lay.dtype == "bfloat16" else dst)
     return out[0], out[1]
 
 

@@ -21,8 +21,7 @@ import shmcache
 from shmcache import layout as L
 from shmcache import segment
 
-from _proc_worker import (RemoteError, WorkerProc, family_tokens, pattern,  # noqa: F401
-                          verify_blocks, wait_for_flock_waiter)
+from _proc_worker import RemoteError, WorkerProc, family_tokens, verify_blocks, wait_for_flock_waiter
 
 BS = 4
 LAYOUT = dict(block_size=BS, num_layers=1, num_kv_heads=2, head_dim=4, dtype="float32")

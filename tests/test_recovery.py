@@ -182,7 +182,7 @@ def test_sigkill_random_workers_many_times(make_pool, spawn):
                 victim.expect("PROGRESS", timeout=30)
             time.sleep(rng.uniform(0, 0.02))      # randomises the moment, not a handshake
             victim.kill()
-            assert victim.proc.returncode == -9
+            assert victim.proc.returncode == -9, victim.stderr_text()
             spare.send("go")
             live.append(spare)
             spare = None

@@ -71,16 +71,16 @@ def load_seed():
     """The seed module ``vllm_mlx.paged_cache``, or None if it is not installed."""
     try:
         return importlib.import_module("vllm_mlx.paged_cache")
-    except ModuleNotFoundError as e:
+    except ImportError as e:
         if e.name in ("vllm_mlx", "vllm_mlx.paged_cache"):
             return None
-    except Exception:
-        pass
-    # The package __init__ pulled in something heavy or missing: load the file alone.
+        _log(f"importing vllm_mlx.paged_cache failed ({e}); loading the file alone")
+    except (RuntimeError, AttributeError, OSError) as e:
+        _log(f"importing vllm_mlx.paged_cache failed ({e}); loading the file alone")
     spec = importlib.util.find_spec("vllm_mlx")
     if spec is None or not spec.submodule_search_locations:
         return None
-    path = os.path.join(list(spec.submodule_search_locations)[0], "paged_cache.py")
+    path = os.path.join(next(iter(spec.submodule_search_locations)), "paged_cache.py")
     s = importlib.util.spec_from_file_location("_seed_paged_cache", path)
     mod = importlib.util.module_from_spec(s)
     sys.modules[s.name] = mod
@@ -123,13 +123,13 @@ class Pools:
         for m in self.attached:
             try:
                 m.close()
-            except Exception:
-                pass
+            except (shmcache.ShmCacheError, OSError) as e:
+                _log(f"closing {m.name}: {e}")
         for c in self.creators:
             try:
                 c.destroy()
-            except Exception:
-                pass
+            except (shmcache.ShmCacheError, OSError) as e:
+                _log(f"destroying {c.name}: {e}")
         self.attached, self.creators = [], []
         cleanup_segments()
 
@@ -333,18 +333,19 @@ def bench_create(seed, trials: int) -> list:
 
     seed_bytes = seed_rss = None
     if seed:
-        import psutil
         import tracemalloc
+
+        import psutil
         proc = psutil.Process()
         gc.collect()
         rss0 = proc.memory_info().rss
         tracemalloc.start()
         b0 = tracemalloc.get_traced_memory()[0]
-        m = seed.PagedCacheManager(max_blocks=nb)
+        keep = [seed.PagedCacheManager(max_blocks=nb)]
         seed_bytes = (tracemalloc.get_traced_memory()[0] - b0) / nb
         tracemalloc.stop()
         seed_rss = (proc.memory_info().rss - rss0) / nb
-        del m
+        keep.clear()
         gc.collect()
 
     med = statistics.median
@@ -408,7 +409,7 @@ class Worker:
             try:
                 self.send("quit")
                 self.p.wait(timeout=10)
-            except Exception:
+            except (OSError, ValueError, subprocess.TimeoutExpired):
                 self.p.kill()
                 self.p.wait()
 
@@ -531,7 +532,7 @@ def run(args) -> list:
         rows += bench_alloc(seed, pools, trials, target_s)
         _log(f"items 1-2 in {perf() - t:.1f} s")
         t = perf()
-        rows += bench_prefix(seed, pools, trials, 10 if quick else 25)
+        rows += bench_prefix(seed, pools, trials, 10 if quick else 50)
         _log(f"item 3 in {perf() - t:.1f} s")
         pools.close()
         t = perf()
@@ -543,10 +544,10 @@ def run(args) -> list:
         _log(f"item 5 in {perf() - t:.1f} s")
     finally:
         pools.close()
-    if seed is None:
-        for r in rows:
-            r["note"] = (r["note"] + "; " if r["note"] else "") + \
-                "seed not installed: pip install --no-deps vllm-mlx==0.6.0"
+    if seed is None and rows:
+        r = rows[0]
+        r["note"] = (r["note"] + "; " if r["note"] else "") + \
+            "seed columns n/a: vllm_mlx is not installed (pip install --no-deps vllm-mlx==0.6.0)"
     return rows
 
 
@@ -559,10 +560,11 @@ def profile(n_pair: int = 30000, n_batch: int = 1500, n_prefix: int = 203, top: 
     import cProfile
     import fcntl
     import pstats
+
     from shmcache.views import SharedBlock
     pools = Pools()
     try:
-        name, m = pools.create("prof", max_blocks=1000)
+        _, m = pools.create("prof", max_blocks=1000)
         _pair(m)(2000)
         _batch(m, m.free_block_batch)(100)
         for label, fn, n in (("item 1: allocate_block + free_block", _pair(m), n_pair),

@@ -190,10 +190,14 @@ class Supervisor:
         queue = deque(self.reqs)
         t0 = time.perf_counter()
         last_kill = last_progress = time.perf_counter()
+        dispatching = False
         while len(self.results) + len(self.failures) < len(self.reqs):
             # Hold the work until every worker is up (a worker that is still
             # importing MLX would otherwise see none of it), or 60 s passed.
             if all(w.ready for w in self.workers) or time.perf_counter() - t0 > 60:
+                if not dispatching:
+                    dispatching = True
+                    last_kill = time.perf_counter()   # the kill clock starts with the work
                 self._dispatch(queue)
             conns = {w.chan.conn: w for w in self.workers}
             for conn in wait_conns(list(conns), timeout=0.1):
@@ -206,7 +210,7 @@ class Supervisor:
             self._restart_dead(queue)
             self._sample_usage()
             now = time.perf_counter()
-            if self.a.kill_worker_every and now - last_kill >= self.a.kill_worker_every:
+            if dispatching and self.a.kill_worker_every and now - last_kill >= self.a.kill_worker_every:
                 busy = [w for w in self.workers if w.inflight and w.proc.is_alive()]
                 if busy:
                     os.kill(random.choice(busy).proc.pid, signal.SIGKILL)

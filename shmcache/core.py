@@ -4,6 +4,7 @@ public operation is built from, and the release paths recovery uses."""
 from __future__ import annotations
 
 import logging
+from hashlib import blake2b
 from typing import Tuple
 
 import numpy as np
@@ -16,7 +17,7 @@ from .errors import CapacityError
 from .freelist import SharedFreeQueue
 from .pool import Pool
 from .refs import RefStore
-from .views import SharedBlockTable
+from .views import SharedBlock, SharedBlockTable
 
 logger = logging.getLogger("shmcache.paged_cache")
 
@@ -86,6 +87,8 @@ class PoolOps:
 
     # ================================================================ internals
     def _bid(self, block) -> int:
+        if type(block) is int and 0 <= block < self.max_blocks:
+            return block
         b = block.block_id if isinstance(block, CacheBlock) else block
         if isinstance(b, bool) or not isinstance(b, (int, np.integer)):
             raise TypeError(f"block id must be an int, got {type(b).__name__}")
@@ -94,8 +97,20 @@ class PoolOps:
             raise ValueError(f"block id {b} out of range [0, {self.max_blocks})")
         return b
 
+    def _bids(self, blocks) -> list:
+        out = []
+        n = self.max_blocks
+        for b in blocks:
+            if type(b) is SharedBlock and b._m is self:
+                out.append(b._id)
+            elif type(b) is int and 0 <= b < n:
+                out.append(b)
+            else:
+                out.append(self._bid(b))
+        return out
+
     def _sync(self) -> None:
-        self._p.check_usable()
+        # (the lock has checked that this manager is usable)
         if self._p.c[L.C_EPOCH] != self._epoch:
             self._refs.resync()
             self._epoch = self._p.c[L.C_EPOCH]
@@ -208,6 +223,19 @@ class PoolOps:
     def _hashes(self, token_ids, n_blocks: int, extra_keys, parent=None, start=0) -> list:
         data = token_bytes(token_ids)
         extra = extra_bytes(extra_keys)
+        if extra:
+            return self._hashes_salted(data, n_blocks, extra, parent, start)
+        step = 4 * self.block_size
+        out = []
+        h = parent or self._root
+        for i in range(start * step, n_blocks * step, step):   # chain_hash, inlined
+            d = blake2b(h, digest_size=16)
+            d.update(data[i:i + step])
+            h = d.digest()
+            out.append(h)
+        return out
+
+    def _hashes_salted(self, data, n_blocks, extra, parent, start) -> list:
         step = 4 * self.block_size
         out = []
         for i in range(start, n_blocks):

@@ -68,12 +68,13 @@ class PoolLock:
         self._depth = 0
         self._keep_dirty = False
         self.check_usable = None    # raises once the owner is closed or forked
+        self.unusable = False       # set with it, so the hot path tests a flag
 
     def __enter__(self):
         self._tlock.acquire()
         if self._depth == 0:
             try:
-                if self.check_usable is not None:
+                if self.unusable:
                     # before flock: a closed fd may be reused by another file,
                     # and a fork-inherited one shares the parent's lock
                     self.check_usable()

@@ -32,6 +32,7 @@ from .blocks import (BlockHash, BlockHashToBlockMap, BlockTable, CacheBlock, Cac
                      FreeKVCacheBlockQueue, KVCacheBlock, compute_block_hash)
 from .errors import OutOfBlocksError
 from .freelist import SharedFreeQueue
+from .fastpath import alloc_loose, free_loose
 from .pool import Pool
 from .core import _close, _release_slot_holdings
 from .prefix import PrefixOps
@@ -129,9 +130,8 @@ class PagedCacheManager(TableOps, PrefixOps):
                 logger.warning("Out of cache blocks")
                 return None
             self._refs.need(1)
-            b = self._pop_free()
-            self._refs.add_loose(b)
-            return SharedBlock(self, b)
+            b = alloc_loose(self, 1)[0]
+        return SharedBlock(self, b)
 
     def get_new_blocks(self, num_blocks: int) -> List[CacheBlock]:
         """Allocate ``num_blocks`` blocks at once.
@@ -147,12 +147,8 @@ class PagedCacheManager(TableOps, PrefixOps):
                 raise OutOfBlocksError(f"Cannot allocate {num_blocks} blocks, only "
                                        f"{self._p.c[L.C_NUM_FREE]} available")
             self._refs.need(num_blocks)
-            out = []
-            for _ in range(num_blocks):
-                b = self._pop_free()
-                self._refs.add_loose(b)
-                out.append(SharedBlock(self, b))
-            return out
+            ids = alloc_loose(self, num_blocks)
+        return [SharedBlock(self, b) for b in ids]
 
     def _maybe_evict_cached_block(self, block: CacheBlock) -> bool:
         with self._p.lock:
@@ -184,8 +180,7 @@ class PagedCacheManager(TableOps, PrefixOps):
             if not self._refs.holds_loose(b):
                 raise ValueError(f"double free of block {b}: this manager holds no reference "
                                  "to it outside its block tables")
-            self._refs.drop_loose(b)
-            return self._release(b)
+            return free_loose(self, (b,)) == 1
 
     def free_block_batch(self, blocks) -> None:
         """Free several blocks, in the given order (the seed's unreachable batch free).
@@ -194,21 +189,25 @@ class PagedCacheManager(TableOps, PrefixOps):
             ValueError: the null block, an out-of-range id, or a block not held
                 (as many times as listed) by this manager; nothing is freed then.
         """
-        ids = [self._bid(b) for b in blocks]
+        ids = self._bids(blocks)
         with self._p.lock:
             self._sync()
-            need: Dict[int, int] = {}
-            for b in ids:
-                if b == 0:
-                    raise ValueError("cannot free the null block (block 0)")
-                need[b] = need.get(b, 0) + 1
-            for b, k in need.items():
-                if len(self._refs.loose.get(b, ())) < k:
-                    raise ValueError(f"double free of block {b}: freed {k} times, this manager "
-                                     f"holds {len(self._refs.loose.get(b, ()))} loose references")
-            for b in ids:
-                self._refs.drop_loose(b)
-                self._release(b)
+            loose = self._refs.loose
+            if len(set(ids)) != len(ids) or not all(b in loose for b in ids):
+                self._check_batch_free(ids)
+            free_loose(self, ids)
+
+    def _check_batch_free(self, ids) -> None:
+        need: Dict[int, int] = {}
+        for b in ids:
+            if b == 0:
+                raise ValueError("cannot free the null block (block 0)")
+            need[b] = need.get(b, 0) + 1
+        for b, k in need.items():
+            held = len(self._refs.loose.get(b, ()))
+            if held < k:
+                raise ValueError(f"double free of block {b}: freed {k} times, this manager "
+                                 f"holds {held} loose references")
 
     def touch(self, blocks) -> None:
         """Take a reference on each block (a cache hit), pulling free ones out of the queue."""

@@ -28,6 +28,7 @@ def _after_fork_in_child() -> None:
     # liveness byte would be the parent's. It must attach() on its own.
     for p in list(_live_pools):
         p._forked = True
+        p.lock.unusable = True
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -67,6 +68,7 @@ class Pool:
         self._map_views()
         self.lock = PoolLock(fd, self.c, self._on_dirty)
         self.lock.check_usable = self.check_usable
+        self.lock.unusable = False
         self.on_dirty = None        # set by the manager: repair + reclaim
         _live_pools.add(self)
 
@@ -310,6 +312,7 @@ class Pool:
         if self.closed:
             return
         self.closed = True
+        self.lock.unusable = True
         _live_pools.discard(self)
         for k in list(vars(self)):
             if k.startswith(("b_", "r_", "t_", "s_")) or k in (

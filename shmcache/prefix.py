@@ -51,7 +51,7 @@ class PrefixOps(PoolOps):
             raise ValueError(f"num_full_blocks={num_full_blocks} needs {num_full_blocks} blocks and "
                              f"{num_full_blocks * self.block_size} tokens, got {len(blocks)} "
                              f"and {len(token_ids)}")
-        ids = [self._bid(b) for b in blocks[:num_full_blocks]]
+        ids = self._bids(blocks[:num_full_blocks])
         parent = self._block_hash(ids[num_cached_blocks - 1]) if num_cached_blocks else None
         if num_cached_blocks and parent is None:
             parent = self._hashes(token_ids, num_cached_blocks, extra_keys)[-1]
@@ -62,23 +62,38 @@ class PrefixOps(PoolOps):
             for b in ids[num_cached_blocks:]:
                 if p.b_ref[b] <= 0 or b == 0:
                     raise ValueError(f"block {b} is not allocated; only held blocks can be cached")
+            flags, tok, raw, bs = p.b_flags, p.b_tok, p.raw, self.block_size
+            slots, mask = p.hindex.slots, p.hindex.mask
+            boff, isz = p.layout.blocks_off + L.BLOCK_HASH_OFF, L.BLOCK_DTYPE.itemsize
             for b, h in zip(ids[num_cached_blocks:], hashes):
-                if not p.b_flags[b] & L.FLAG_CACHED:
-                    self._cache(b, h)
-                    p.b_tok[b] = self.block_size
+                if not flags[b] & L.FLAG_CACHED:    # self._cache(b, h), inlined
+                    raw[boff + b * isz: boff + b * isz + 16] = h
+                    flags[b] |= L.FLAG_CACHED
+                    i = int.from_bytes(h[:8], "little") & mask
+                    while slots[i] >= 0:
+                        i = (i + 1) & mask
+                    slots[i] = b
+                    tok[b] = bs
 
-    def _lookup_chain(self, token_ids, extra_keys) -> list:
-        n = len(token_ids) // self.block_size
-        hashes = self._hashes(token_ids, n, extra_keys)
+    def _lookup_chain(self, hashes) -> list:
+        """Blocks of the longest cached run of ``hashes`` from the first (lock held)."""
         p = self._p
+        slots, mask = p.hindex.slots, p.hindex.mask
+        raw, isz = p.raw, L.BLOCK_DTYPE.itemsize
+        boff = p.layout.blocks_off + L.BLOCK_HASH_OFF
         found = []
         for h in hashes:
-            b = self._lookup_hash(h)
-            if b < 0:
+            i = int.from_bytes(h[:8], "little") & mask
+            while True:                      # OpenIndex.find, inlined
+                e = slots[i]
+                if e < 0 or raw[boff + e * isz: boff + e * isz + 16] == h:
+                    break
+                i = (i + 1) & mask
+            if e < 0:
                 p.c[L.C_MISSES] += 1
                 break
-            found.append(b)
-            p.c[L.C_HITS] += 1
+            found.append(e)
+        p.c[L.C_HITS] += len(found)
         return found
 
     def get_computed_blocks(self, token_ids: List[int],
@@ -88,10 +103,11 @@ class PrefixOps(PoolOps):
         use ``acquire_computed_blocks`` when another process may evict them)."""
         if not self.enable_caching:
             return [], 0
+        hashes = self._hashes(token_ids, len(token_ids) // self.block_size, extra_keys)
         with self._p.lock:
             self._sync()
-            found = self._lookup_chain(token_ids, extra_keys)
-            return [SharedBlock(self, b) for b in found], len(found) * self.block_size
+            found = self._lookup_chain(hashes)
+        return [SharedBlock(self, b) for b in found], len(found) * self.block_size
 
     def acquire_computed_blocks(self, token_ids: List[int],
                                 extra_keys: Optional[Tuple[Any, ...]] = None
@@ -106,13 +122,14 @@ class PrefixOps(PoolOps):
         if not self.enable_caching:
             token_bytes(token_ids)
             return [], 0
+        hashes = self._hashes(token_ids, len(token_ids) // self.block_size, extra_keys)
         with self._p.lock:
             self._sync()
-            found = self._lookup_chain(token_ids, extra_keys)
+            found = self._lookup_chain(hashes)
             self._refs.need(len(found))
             for b in found:
                 self._take_ref(b)
-            return [SharedBlock(self, b) for b in found], len(found) * self.block_size
+        return [SharedBlock(self, b) for b in found], len(found) * self.block_size
 
     # ================================================================= legacy
     @staticmethod
@@ -156,6 +173,7 @@ class PrefixOps(PoolOps):
         """Block ids of the longest cached whole-chain prefix, and the tokens after it."""
         with self._p.lock:
             self._sync()
-            found = self._lookup_chain(tokens, None) if self.enable_caching else []
+            found = (self._lookup_chain(self._hashes(tokens, len(tokens) // self.block_size, None))
+                     if self.enable_caching else [])
             return found, list(tokens[len(found) * self.block_size:])
 

@@ -16,8 +16,8 @@ class SharedBlock(CacheBlock):
     """A ``CacheBlock`` that is a live view of block ``block_id`` of a pool."""
 
     def __init__(self, mgr, block_id: int) -> None:  # noqa: super not called on purpose
-        object.__setattr__(self, "_m", mgr)
-        object.__setattr__(self, "_id", block_id)
+        self._m = mgr
+        self._id = block_id
 
     block_id = property(lambda self: self._id)
 

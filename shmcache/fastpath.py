@@ -1,0 +1,114 @@
+"""Fused hot paths: allocating blocks into a manager's loose references and
+freeing a batch of them.
+
+These do exactly the steps of ``freelist``, ``refs`` and ``core`` (pop from
+the free list's front, one reference record per block, release to the front
+or back of the queue), with the shared memoryviews bound to locals and the
+per-block calls inlined: they are what a scheduler calls on every step, and
+in Python a call costs as much as the work.
+
+NOTE: crash consistency is the same as the primitives': the slot's list head
+is the commit point of each record, and everything else (ref counts, the free
+list, the record free list) is rebuilt from the records by recovery.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .layout import C_EVICTIONS, C_FREE_REF, C_FREE_REFS, C_NUM_FREE, FLAG_CACHED
+
+
+def alloc_loose(mgr, n: int) -> list:
+    """Pop ``n`` blocks (caller checked they are free and records suffice)."""
+    p = mgr._p
+    nxt, prv, ref, flags, tok, last = p.b_next, p.b_prev, p.b_ref, p.b_flags, p.b_tok, p.b_last
+    rb, rn, c, s_head, s = p.r_block, p.r_next, p.c, p.s_head, p.slot
+    loose = mgr._refs.loose
+    now = time.time() - p.created_at
+    HEAD = p.HEAD
+    fr = c[C_FREE_REF]
+    b = nxt[HEAD]
+    ids = []
+    for _ in range(n):
+        nb = nxt[b]
+        prv[b] = nxt[b] = -1
+        if flags[b] & FLAG_CACHED:
+            mgr._uncache(b)
+            c[C_EVICTIONS] += 1
+        ref[b] = 1
+        tok[b] = 0
+        last[b] = now
+        r = fr
+        fr = rn[r]
+        rb[r] = b
+        rn[r] = s_head[s]
+        s_head[s] = r                  # commit: the slot holds b
+        lst = loose.get(b)
+        if lst is None:
+            loose[b] = [r]
+        else:
+            lst.append(r)
+        ids.append(b)
+        b = nb
+    nxt[HEAD] = b
+    prv[b] = HEAD
+    c[C_FREE_REF] = fr
+    c[C_FREE_REFS] -= n
+    c[C_NUM_FREE] -= n
+    p.s_count[s] += n
+    return ids
+
+
+def free_loose(mgr, ids) -> int:
+    """Drop one loose reference per id, in order (caller checked they are held).
+
+    Returns:
+        How many blocks became free.
+    """
+    p = mgr._p
+    nxt, prv, ref, flags = p.b_next, p.b_prev, p.b_ref, p.b_flags
+    rb, rn, c, s_head, s = p.r_block, p.r_next, p.c, p.s_head, p.slot
+    loose = mgr._refs.loose
+    HEAD, TAIL = p.HEAD, p.TAIL
+    fr = c[C_FREE_REF]
+    freed = 0
+    for b in ids:
+        recs = loose[b]
+        r = recs.pop()
+        if not recs:
+            del loose[b]
+        h = s_head[s]
+        if r != h:
+            # Move the head's block into r, then pop the head: O(1) removal
+            # from a singly linked list.
+            hb = rb[h]
+            rb[r] = hb
+            lst = loose[hb]
+            lst[lst.index(h)] = r
+        s_head[s] = rn[h]              # commit: b's reference is gone
+        rb[h] = -1
+        rn[h] = fr
+        fr = h
+        x = ref[b] - 1
+        ref[b] = x
+        if x == 0:
+            freed += 1
+            if flags[b] & FLAG_CACHED:      # to the back: evicted last
+                last_b = prv[TAIL]
+                nxt[last_b] = b
+                prv[b] = last_b
+                nxt[b] = TAIL
+                prv[TAIL] = b
+            else:                           # to the front: reused first
+                first = nxt[HEAD]
+                prv[first] = b
+                nxt[b] = first
+                prv[b] = HEAD
+                nxt[HEAD] = b
+    k = len(ids)
+    c[C_FREE_REF] = fr
+    c[C_FREE_REFS] += k
+    c[C_NUM_FREE] += freed
+    p.s_count[s] -= k
+    return freed

@@ -24,14 +24,26 @@ SMALL = ["--layers", "2", "--dim", "64", "--system-tokens", "96", "--max-new-tok
 
 def run_supervisor(tmp_path, *extra, timeout=240):
     out = tmp_path / f"report-{len(list(tmp_path.iterdir()))}.json"
-    before = set(segment.list_names())
-    proc = subprocess.run([sys.executable, "-m", "workers.supervisor", *SMALL, *extra,
-                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
-    left = [n for n in set(segment.list_names()) - before if n.startswith("run-")]
-    for n in left:
-        segment.unlink(n)
-    assert not left, f"supervisor left segments {left}"
+    proc = subprocess.Popen([sys.executable, "-m", "workers.supervisor", *SMALL, *extra,
+                             "--json", str(out)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    left = _own_pool_left(proc)
+    assert not left, f"supervisor left its pool {left}"
+    assert proc.returncode == 0, stdout + stderr
+    return json.loads(out.read_text())
+
+
+def _own_pool_left(proc) -> list:
+    # The supervisor names its pool after its pid: remove only that one, never
+    # another run's.
+    name = f"run-{proc.pid}"
+    return [name] if segment.unlink(name) else []
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(out.read_text())
 
@@ -100,3 +112,67 @@ def test_bad_flags_are_rejected():
     proc = subprocess.run([sys.executable, "-m", "workers.supervisor", "--workers", "0"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "--workers" in proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_stops_everything_and_leaves_nothing(tmp_path):
+    import signal
+    import time
+    import psutil
+    # Its own process group, as a terminal's foreground job: Ctrl-C reaches
+    # the supervisor and its workers at once.
+    proc = subprocess.Popen([sys.executable, "-m", "workers.supervisor", *SMALL, "--requests", "400"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:   # wait until the workers run
+            kids = psutil.Process(proc.pid).children(recursive=True)
+            if len(kids) >= 2 and f"run-{proc.pid}" in segment.list_names():
+                break
+            time.sleep(0.2)
+        time.sleep(1.0)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    left = _own_pool_left(proc)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err
+    assert not left
+    workers = [p for p in kids if "spawn_main" in " ".join(_cmdline(p))]
+    assert len(workers) >= 2
+    gone, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive, f"workers still running after Ctrl-C: {alive}"
+
+
+def _cmdline(p):
+    try:
+        return p.cmdline()
+    except Exception:   # already gone
+        return ["spawn_main"]
+
+
+@pytest.mark.timeout(120)
+def test_a_vanished_pool_stops_the_run_instead_of_restarting_forever():
+    import time
+    proc = subprocess.Popen([sys.executable, "-m", "workers.supervisor", *SMALL, "--requests", "400"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while f"run-{proc.pid}" not in segment.list_names() and time.time() < deadline:
+            time.sleep(0.05)
+        segment.unlink(f"run-{proc.pid}")      # an operator's mistake
+        import psutil
+        for k in psutil.Process(proc.pid).children():
+            if "spawn_main" in " ".join(k.cmdline()):
+                k.kill()                        # the next attach cannot find the pool
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 2, err
+    assert "removed" in err or "before they were ready" in err

@@ -27,6 +27,7 @@ from multiprocess.connection import wait as wait_conns
 
 import shmcache
 from shmcache import layout as L
+from shmcache import segment
 
 from . import workload
 from .model import ModelConfig
@@ -56,6 +57,10 @@ def parse_args(argv=None):
         if getattr(a, k) < 1:
             ap.error(f"--{k.replace('_', '-')} must be >= 1")
     return a
+
+
+class SupervisorError(Exception):
+    """The run cannot go on (its pool vanished, workers cannot start)."""
 
 
 class _WorkerProc:
@@ -94,6 +99,7 @@ class Supervisor:
         self.results: dict = {}
         self.failures: dict = {}
         self.restarts = 0
+        self.early_deaths = 0
         self.kills = 0
         self.peak_blocks = 0
         self.peak_table_blocks = 0
@@ -154,6 +160,12 @@ class Supervisor:
             if w.proc.is_alive():
                 continue
             w.proc.join(1)
+            if not os.path.exists(segment.path_for(self.name)):
+                raise SupervisorError(f"the pool {self.name!r} was removed from under the supervisor")
+            self.early_deaths = 0 if w.ready else self.early_deaths + 1
+            if self.early_deaths >= 3:
+                raise SupervisorError(f"workers died before they were ready 3 times in a row "
+                                      f"(last exit code {w.proc.exitcode}); giving up")
             self.mgr.reclaim_dead()
             for rid in sorted(w.inflight, reverse=True):
                 if rid not in self.results:
@@ -307,6 +319,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted; stopping workers and removing the pool", file=sys.stderr)
         return 130
+    except SupervisorError as e:
+        print(f"\nshmcache supervisor: {e}", file=sys.stderr)
+        return 2
     finally:
         sup.close()
     print_report(report)

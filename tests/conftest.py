@@ -64,6 +64,25 @@ def manager():
     m.close()
 
 
+@pytest.fixture
+def spawn():
+    """spawn(*args) -> a started ``_proc_worker.WorkerProc``; all are killed at teardown."""
+    from _proc_worker import WorkerProc
+    procs = []
+
+    def start(*args):
+        w = WorkerProc(*args)
+        procs.append(w)
+        return w
+
+    yield start
+    for w in procs:
+        try:
+            w.kill()
+        except Exception:
+            pass
+
+
 def pytest_sessionfinish(session, exitstatus):
     for n in leftover_segments():
         segment.unlink(n)

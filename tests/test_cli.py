@@ -19,7 +19,6 @@ import time
 import numpy as np
 import pytest
 
-import shmcache
 from shmcache import layout as L
 from shmcache import segment
 

@@ -21,28 +21,10 @@ import shmcache
 from shmcache import layout as L
 from shmcache import segment
 
-from _proc_worker import RemoteError, WorkerProc, family_tokens, verify_blocks, wait_for_flock_waiter
+from _proc_worker import RemoteError, family_tokens, verify_blocks, wait_for_flock_waiter
 
 BS = 4
 LAYOUT = dict(block_size=BS, num_layers=1, num_kv_heads=2, head_dim=4, dtype="float32")
-
-
-@pytest.fixture
-def spawn():
-    """spawn(*args) -> a started WorkerProc; all are killed at teardown."""
-    procs = []
-
-    def start(*args):
-        w = WorkerProc(*args)
-        procs.append(w)
-        return w
-
-    yield start
-    for w in procs:
-        try:
-            w.kill()
-        except Exception:
-            pass
 
 
 def released(mgr) -> None:

@@ -24,29 +24,12 @@ import shmcache
 from shmcache import layout as L
 from shmcache import segment
 
-from _proc_worker import (SCRIBBLES, RemoteError, WorkerProc, extra_for, family_tokens, verify_blocks,
+from _proc_worker import (SCRIBBLES, RemoteError, extra_for, family_tokens, verify_blocks,
                           wait_for_flock_waiter, write_positions)
 
 BS = 4
 LAYOUT = dict(block_size=BS, num_layers=1, num_kv_heads=2, head_dim=4, dtype="float32")
 BLOCKED_BOUND = 5.0   # the issue says "about a second"; generous against CI noise
-
-
-@pytest.fixture
-def spawn():
-    procs = []
-
-    def start(*args):
-        w = WorkerProc(*args)
-        procs.append(w)
-        return w
-
-    yield start
-    for w in procs:
-        try:
-            w.kill()
-        except Exception:
-            pass
 
 
 def ref_counts(mgr) -> np.ndarray:

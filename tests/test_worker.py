@@ -10,7 +10,6 @@ import multiprocess as mp
 import numpy as np
 import pytest
 
-import shmcache
 from workers.model import InMemoryKVCache, Model, ModelConfig, decode_step, prefill, sample
 from workers.protocol import Request
 from workers.seam import PagedKVSeam

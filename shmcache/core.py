@@ -4,6 +4,7 @@ public operation is built from, and the release paths recovery uses."""
 from __future__ import annotations
 
 import logging
+import os
 from hashlib import blake2b
 from typing import Tuple
 
@@ -32,8 +33,32 @@ def _rid_key(request_id) -> Tuple[bytes, int]:
     return raw, int.from_bytes(chain_hash(b"rid", None, raw, b"")[:8], "little")
 
 
-def _close(p: Pool, refs: RefStore, destroy: bool) -> None:
-    if p.closed or p._forked:
+def _locked_here_through_another(p: Pool) -> bool:
+    """Whether this thread holds (or is taking) the lock of ``p``'s segment
+    through another manager of this process. flock excludes open file
+    descriptions, not processes, so taking ``p``'s own lock would then wait
+    on ourselves forever (a finalizer run by the GC inside that manager's op)."""
+    from .pool import _live_pools
+    try:
+        st = os.fstat(p.fd)
+    except OSError:
+        return False
+    for q in list(_live_pools):
+        if q is p or q.closed or q._forked or not q.lock._tlock._is_owned():
+            continue
+        try:
+            sq = os.fstat(q.fd)
+        except OSError:
+            continue
+        if (sq.st_dev, sq.st_ino) == (st.st_dev, st.st_ino):
+            return True
+    return False
+
+
+def _close(p: Pool, refs: RefStore, destroy: bool, finalizing: bool = False) -> None:
+    if p.closed or p._forked or (finalizing and _locked_here_through_another(p)):
+        # (finalizing: leave as a death would; closing the fd drops the
+        # liveness byte and whoever reclaims next releases what it held)
         if destroy and p.creator and not p.private:
             from . import segment
             segment.unlink(p.name)
@@ -43,6 +68,9 @@ def _close(p: Pool, refs: RefStore, destroy: bool) -> None:
         with p.lock:
             _release_slot_holdings(p, refs, p.slot)
             p.release_slot()
+            # before the lock is released: a thread waiting for it must not
+            # run an operation with no slot (slot -1 is another's slot)
+            p.lock.unusable = True
     finally:
         if destroy and p.creator and not p.private:
             from . import segment

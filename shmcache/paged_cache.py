@@ -115,7 +115,7 @@ class PagedCacheManager(TableOps, PrefixOps):
         self.blocks = BlocksView(self)
         self.null_block = SharedBlock(self, 0)
         self.stats = SharedStats(self)
-        self._finalizer = weakref.finalize(self, _close, p, self._refs, p.private)
+        self._finalizer = weakref.finalize(self, _close, p, self._refs, p.private, True)
 
     # ========================================================= block allocation
     def allocate_block(self) -> Optional[CacheBlock]:

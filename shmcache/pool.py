@@ -298,7 +298,7 @@ class Pool:
         self.on_dirty()
 
     def check_usable(self) -> None:
-        if self.closed:
+        if self.closed or (self.slot < 0 and self.lock.unusable and not self._forked):
             raise PoolClosedError(f"manager of pool {self.name!r} is closed")
         if self._forked:
             raise PoolClosedError(

@@ -31,7 +31,7 @@ from shmcache import segment
 
 from . import workload
 from .model import ModelConfig
-from .protocol import Channel, Done, Failed, FromWorker, Ready, Request, Shutdown
+from .protocol import Channel, Done, Failed, FromWorker, Ready, Shutdown
 from .worker import worker_main
 
 

@@ -14,7 +14,7 @@ from . import layout as L
 from . import recovery
 from .blocks import (BlockHash, CacheBlock, CacheStats, chain_hash,
                      extra_bytes, token_bytes)
-from .errors import CapacityError
+from .errors import CapacityError, PoolClosedError
 from .freelist import SharedFreeQueue
 from .pool import Pool
 from .refs import RefStore
@@ -56,9 +56,15 @@ def _locked_here_through_another(p: Pool) -> bool:
 
 
 def _close(p: Pool, refs: RefStore, destroy: bool, finalizing: bool = False) -> None:
-    if p.closed or p._forked or (finalizing and _locked_here_through_another(p)):
-        # (finalizing: leave as a death would; closing the fd drops the
-        # liveness byte and whoever reclaims next releases what it held)
+    as_dead = (finalizing and not (p.closed or p._forked)
+               and _locked_here_through_another(p))
+    if as_dead and p.slot >= 0:
+        # Leave as a death would: drop the liveness byte now (the mmap keeps
+        # a dup of the fd, so closing ours may not), and whoever reclaims
+        # next releases what this manager held.
+        from .lock import ofd_unlock
+        ofd_unlock(p.fd, p._liveness_off(p.slot))
+    if p.closed or p._forked or as_dead:
         if destroy and p.creator and not p.private:
             from . import segment
             segment.unlink(p.name)
@@ -71,6 +77,8 @@ def _close(p: Pool, refs: RefStore, destroy: bool, finalizing: bool = False) -> 
             # before the lock is released: a thread waiting for it must not
             # run an operation with no slot (slot -1 is another's slot)
             p.lock.unusable = True
+    except PoolClosedError:
+        pass                    # another thread closed it while we waited
     finally:
         if destroy and p.creator and not p.private:
             from . import segment

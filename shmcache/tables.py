@@ -82,9 +82,8 @@ class TableOps(PoolOps):
             p.t_tok[t] = p.t_tok[src]
             return self._table_view(t)
 
-    def _cow_last(self, t: int) -> bool:
+    def _cow_at(self, rec: int) -> bool:
         p = self._p
-        rec = p.t_tail[t]
         old = p.r_block[rec]
         new = self._pop_free()
         p.b_tok[new] = p.b_tok[old]
@@ -94,14 +93,21 @@ class TableOps(PoolOps):
         p.c[L.C_COW] += 1
         return True
 
-    def _append_plan(self, t: int, n: int) -> Tuple[bool, int]:
-        p = self._p
+    def _append_plan(self, t: int, n: int) -> Tuple[list, int]:
+        """(records of the shared blocks the new tokens would land in, blocks to allocate)."""
+        p, bs = self._p, self.block_size
         tok, length = p.t_tok[t], p.t_len[t]
-        room = length * self.block_size - tok
-        last = p.r_block[p.t_tail[t]] if length else -1
-        cow = last > 0 and 0 < tok % self.block_size and p.b_ref[last] > 1 and n > 0
-        new = max(0, -(-(n - room) // self.block_size)) if n > room else 0
-        return cow, new
+        if n <= 0:
+            return [], 0
+        first, needed = tok // bs, -(-(tok + n) // bs)
+        end = min(length, needed)
+        cow = []
+        if first < end:
+            # Usually just the partly filled last block; any block written into
+            # must be private to this table.
+            recs = [p.t_tail[t]] if first == length - 1 else self._refs.table_records(t)[first:end]
+            cow = [r for r in recs if p.b_ref[p.r_block[r]] > 1]
+        return cow, max(0, needed - length)
 
     def can_append(self, table: BlockTable, num_new_tokens: int) -> bool:
         """Whether ``prepare_append(table, num_new_tokens)`` would find its blocks."""
@@ -110,7 +116,7 @@ class TableOps(PoolOps):
         with self._p.lock:
             self._sync()
             cow, new = self._append_plan(self._table_index(table), num_new_tokens)
-            return self._ensure_free(cow + new)
+            return self._ensure_free(len(cow) + new)
 
     def prepare_append(self, table: BlockTable, num_new_tokens: int) -> List[CacheBlock]:
         """Make room in ``table`` for ``num_new_tokens`` more tokens.
@@ -133,12 +139,12 @@ class TableOps(PoolOps):
             p = self._p
             t = self._table_index(table)
             cow, new = self._append_plan(t, num_new_tokens)
-            if not self._ensure_free(cow + new):
-                raise OutOfBlocksError(f"prepare_append needs {cow + new} free blocks, "
+            if not self._ensure_free(len(cow) + new):
+                raise OutOfBlocksError(f"prepare_append needs {len(cow) + new} free blocks, "
                                        f"{p.c[L.C_NUM_FREE]} available")
             self._refs.need(new)
-            if cow:
-                self._cow_last(t)
+            for rec in cow:
+                self._cow_at(rec)
             for _ in range(new):
                 self._refs.table_append(t, self._pop_free())
             bs, tok = self.block_size, p.t_tok[t]
@@ -160,8 +166,9 @@ class TableOps(PoolOps):
             t = self._table_index(table)
             cow, _ = self._append_plan(t, 1)
             copied = False
-            if cow and self._ensure_free(1):
-                copied = self._cow_last(t)
+            if cow and self._ensure_free(len(cow)):
+                for rec in cow:
+                    copied = self._cow_at(rec)
             now = self._p.now()
             blocks = self._refs.table_blocks(t)
             for b in blocks:

@@ -207,18 +207,20 @@ class PoolMachine(RuleBasedStateMachine):
         t = self.tables[rid]
         blocks, tok = t["blocks"], t["tok"]
         room = len(blocks) * BS - tok
-        last = blocks[-1] if blocks else -1
-        cow = last > 0 and tok % BS != 0 and self.ref[last] > 1 and n > 0
+        # every existing block the new tokens land in must be private: copy the shared ones
+        first, end = tok // BS, min(len(blocks), -(-(tok + n) // BS))
+        cow = [i for i in range(first, end) if self.ref[blocks[i]] > 1] if n > 0 else []
         new = -(-(n - room) // BS) if n > room else 0
-        if cow + new > len(self.free):
+        if len(cow) + new > len(self.free):
             self.unchanged(self.m.prepare_append, OutOfBlocksError, rid, n)
             return False
         got = [b.block_id for b in self.m.prepare_append(self.m.get_block_table(rid), n)]
-        if cow:
+        for i in cow:
+            old = blocks[i]
             c = self.m_pop_free()
-            self.tok[c] = self.tok[last]
-            blocks[-1] = c
-            self.m_release(last)
+            self.tok[c] = self.tok[old]
+            blocks[i] = c
+            self.m_release(old)
             self.cow += 1
         for _ in range(new):
             blocks.append(self.m_pop_free())

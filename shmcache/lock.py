@@ -93,8 +93,15 @@ class PoolLock:
             self._keep_dirty = False
             if self._c[C_DIRTY]:
                 self._c[C_DIRTY] = 1
-                # False: nobody could repair yet (a manager still attaching)
-                self._keep_dirty = self._on_dirty() is False
+                try:
+                    # False: nobody could repair yet (a manager still attaching)
+                    self._keep_dirty = self._on_dirty() is False
+                except BaseException:
+                    # Still dirty: the next holder repairs. Never keep the lock.
+                    self._depth = 0
+                    fcntl.flock(self.fd, fcntl.LOCK_UN)
+                    self._tlock.release()
+                    raise
             self._c[C_DIRTY] = 1
         else:
             self._depth += 1

@@ -133,6 +133,8 @@ class SharedBlockTable(BlockTable):
 
     @num_tokens.setter
     def num_tokens(self, v: int) -> None:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"num_tokens must be a non-negative int, got {v!r}")
         with self._m._p.lock:
             self._m._p.t_tok[self._m._table_index(self)] = int(v)
 
@@ -250,7 +252,8 @@ class SharedHashMap:
         self._m = mgr
 
     def get_block(self, block_hash):
-        b = self._m._lookup_hash(bytes(block_hash))
+        with self._m._p.lock:
+            b = self._m._lookup_hash(bytes(block_hash))
         return SharedBlock(self._m, b) if b >= 0 else None
 
     def insert(self, block_hash, block) -> None:
@@ -258,13 +261,15 @@ class SharedHashMap:
 
     def pop(self, block_hash, block_id: int):
         m = self._m
-        if m._block_hash(block_id) != bytes(block_hash):
-            return None
-        m._set_block_hash(block_id, None)
+        with m._p.lock:            # check and drop as one step
+            if m._block_hash(m._bid(block_id)) != bytes(block_hash):
+                return None
+            m._set_block_hash(block_id, None)
         return SharedBlock(m, block_id)
 
     def __len__(self) -> int:
-        return len({self._m._block_hash(b) for b in self._m._cached_ids()})
+        with self._m._p.lock:
+            return len({self._m._block_hash(b) for b in self._m._cached_ids()})
 
     def clear(self) -> None:
         self._m._uncache_all()

@@ -59,11 +59,10 @@ def _close(p: Pool, refs: RefStore, destroy: bool, finalizing: bool = False) -> 
     as_dead = (finalizing and not (p.closed or p._forked)
                and _locked_here_through_another(p))
     if as_dead and p.slot >= 0:
-        # Leave as a death would: drop the liveness byte now (the mmap keeps
-        # a dup of the fd, so closing ours may not), and whoever reclaims
-        # next releases what this manager held.
+        # Leave as a death would: drop the liveness byte now, and whoever
+        # reclaims next releases what this manager held.
         from .lock import ofd_unlock
-        ofd_unlock(p.fd, p._liveness_off(p.slot))
+        ofd_unlock(p.live_fd, p._liveness_off(p.slot))
     if p.closed or p._forked or as_dead:
         if destroy and p.creator and not p.private:
             from . import segment

@@ -29,9 +29,25 @@ def _after_fork_in_child() -> None:
     for p in list(_live_pools):
         p._forked = True
         p.lock.unusable = True
+        if p.live_fd >= 0 and p.live_fd != p.fd:
+            # Drop the child's reference to the liveness description, so the
+            # parent's death is seen even while this child lives (closing
+            # never unlocks: the parent still holds the description).
+            os.close(p.live_fd)
+        p.live_fd = -1
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _liveness_fd(fd: int) -> int:
+    # A second open file description of the segment, never mmapped, that
+    # carries this manager's liveness byte (an mmap keeps a dup of the fd it
+    # maps, and a forked child would keep that one too).
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return fd
 
 _START_TIME = {}
 
@@ -65,6 +81,7 @@ class Pool:
         self.closed = False
         self._forked = False
         self.slot = -1
+        self.live_fd = _liveness_fd(fd)
         self._map_views()
         self.lock = PoolLock(fd, self.c, self._on_dirty)
         self.lock.check_usable = self.check_usable
@@ -272,7 +289,7 @@ class Pool:
                 if st[s] == 1:
                     if self.slot_alive(s) or self.on_dirty is None:
                         continue
-                if ofd_lock(self.fd, self._liveness_off(s)):
+                if ofd_lock(self.live_fd, self._liveness_off(s)):
                     sl = self.slots[s]
                     sl["pid"] = os.getpid()
                     sl["start_time"] = process_start_time(os.getpid())
@@ -289,7 +306,7 @@ class Pool:
     def release_slot(self) -> None:
         if self.slot >= 0:
             self.slots["state"][self.slot] = 0
-            ofd_unlock(self.fd, self._liveness_off(self.slot))
+            ofd_unlock(self.live_fd, self._liveness_off(self.slot))
             self.slot = -1
 
     def _on_dirty(self):
@@ -324,4 +341,6 @@ class Pool:
         except BufferError:
             pass  # a caller still holds a view; the mapping goes with it
         if not self._forked:
+            if self.live_fd != self.fd:
+                os.close(self.live_fd)
             os.close(self.fd)

@@ -49,9 +49,6 @@ def _liveness_fd(fd: int) -> int:
     except OSError:
         return fd
 
-_START_TIME = {}
-
-
 def process_start_time(pid: int) -> float:
     try:
         return psutil.Process(pid).create_time()

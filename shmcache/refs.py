@@ -88,14 +88,6 @@ class RefStore:
         p.s_count[s] -= 1
         self._release(h)
 
-    def slot_loose_blocks(self, slot: int) -> list:
-        p = self.p
-        out, r = [], p.s_head[slot]
-        while r >= 0 and len(out) <= p.layout.max_refs:
-            out.append(p.r_block[r])
-            r = p.r_next[r]
-        return out
-
     def pop_slot_loose(self, slot: int) -> list:
         """Unlink a whole slot's loose list; return its block ids."""
         p = self.p

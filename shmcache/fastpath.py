@@ -22,11 +22,10 @@ from .layout import C_EVICTIONS, C_FREE_REF, C_FREE_REFS, C_NUM_FREE, FLAG_CACHE
 def alloc_loose(mgr, n: int) -> list:
     """Pop ``n`` blocks (caller checked they are free and records suffice)."""
     p = mgr._p
-    nxt, prv, ref, flags, tok, last = p.b_next, p.b_prev, p.b_ref, p.b_flags, p.b_tok, p.b_last
-    rb, rn, c, s_head, s = p.r_block, p.r_next, p.c, p.s_head, p.slot
+    nxt, prv, ref, flags, tok, last, rb, rn, c, s_head, s_count, HEAD, TAIL = p.hot
+    s = p.slot
     loose = mgr._refs.loose
     now = time.time() - p.created_at
-    HEAD = p.HEAD
     fr = c[C_FREE_REF]
     b = nxt[HEAD]
     ids = []
@@ -56,7 +55,7 @@ def alloc_loose(mgr, n: int) -> list:
     c[C_FREE_REF] = fr
     c[C_FREE_REFS] -= n
     c[C_NUM_FREE] -= n
-    p.s_count[s] += n
+    s_count[s] += n
     return ids
 
 
@@ -67,10 +66,9 @@ def free_loose(mgr, ids) -> int:
         How many blocks became free.
     """
     p = mgr._p
-    nxt, prv, ref, flags = p.b_next, p.b_prev, p.b_ref, p.b_flags
-    rb, rn, c, s_head, s = p.r_block, p.r_next, p.c, p.s_head, p.slot
+    nxt, prv, ref, flags, _, _, rb, rn, c, s_head, s_count, HEAD, TAIL = p.hot
+    s = p.slot
     loose = mgr._refs.loose
-    HEAD, TAIL = p.HEAD, p.TAIL
     fr = c[C_FREE_REF]
     freed = 0
     for b in ids:
@@ -110,5 +108,5 @@ def free_loose(mgr, ids) -> int:
     c[C_FREE_REF] = fr
     c[C_FREE_REFS] += k
     c[C_NUM_FREE] += freed
-    p.s_count[s] -= k
+    s_count[s] -= k
     return freed

@@ -205,6 +205,10 @@ class Pool:
                                 lambda e, key: rids[e] == key)
         self.HEAD = lay.max_blocks
         self.TAIL = lay.max_blocks + 1
+        # the views the fused hot paths (fastpath) bind in one load
+        self.hot = (self.b_next, self.b_prev, self.b_ref, self.b_flags, self.b_tok, self.b_last,
+                    self.r_block, self.r_next, self.c, self.s_head, self.s_count,
+                    self.HEAD, self.TAIL)
         h = self.header[0]
         self.created_at = float(h["created_at"])
         self.seed = bytes(h["seed"])
@@ -331,7 +335,7 @@ class Pool:
         for k in list(vars(self)):
             if k.startswith(("b_", "r_", "t_", "s_")) or k in (
                     "c", "raw", "header", "counters", "slots", "blocks", "hidx",
-                    "refs", "tables", "tidx", "arena", "hindex", "tindex", "hhome"):
+                    "refs", "tables", "tidx", "arena", "hindex", "tindex", "hhome", "hot"):
                 setattr(self, k, None)
         try:
             self.mm.close()

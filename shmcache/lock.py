@@ -26,6 +26,10 @@ from .layout import C_DIRTY, C_LOCK_WAIT_NS, C_OPS
 # struct flock on Linux (x86-64 and aarch64): short, short, off_t, off_t, pid_t
 _FLOCK = "hhqqi4x"
 
+_flock = fcntl.flock
+_EX_NB = fcntl.LOCK_EX | fcntl.LOCK_NB
+_UN = fcntl.LOCK_UN
+
 # Exceptions our operations raise only before they change anything
 # (check-then-commit), so the pool stays clean when they escape.
 CLEAN_ERRORS = (ValueError, TypeError, KeyError, IndexError, ShmCacheError)
@@ -66,61 +70,71 @@ class PoolLock:
         self._on_dirty = on_dirty
         self._tlock = threading.RLock()
         self._depth = 0
-        self._keep_dirty = False
+        self._keep_dirty = 0
         self.check_usable = None    # raises once the owner is closed or forked
         self.unusable = False       # set with it, so the hot path tests a flag
 
     def __enter__(self):
         self._tlock.acquire()
-        if self._depth == 0:
-            try:
-                if self.unusable:
-                    # before flock: a closed fd may be reused by another file,
-                    # and a fork-inherited one shares the parent's lock
-                    self.check_usable()
-                try:
-                    fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    t0 = time.perf_counter_ns()
-                    fcntl.flock(self.fd, fcntl.LOCK_EX)
-                    waited = time.perf_counter_ns() - t0
-                    if waited > self._c[C_LOCK_WAIT_NS]:
-                        self._c[C_LOCK_WAIT_NS] = waited
-            except BaseException:
-                self._tlock.release()
-                raise
-            self._depth = 1
-            self._keep_dirty = False
-            if self._c[C_DIRTY]:
-                self._c[C_DIRTY] = 1
-                try:
-                    # False: nobody could repair yet (a manager still attaching)
-                    self._keep_dirty = self._on_dirty() is False
-                except BaseException:
-                    # Still dirty: the next holder repairs. Never keep the lock.
-                    self._depth = 0
-                    fcntl.flock(self.fd, fcntl.LOCK_UN)
-                    self._tlock.release()
-                    raise
-            self._c[C_DIRTY] = 1
-        else:
+        if self._depth:
             self._depth += 1
+            return self
+        try:
+            if self.unusable:
+                # before flock: a closed fd may be reused by another file,
+                # and a fork-inherited one shares the parent's lock
+                self.check_usable()
+            try:
+                _flock(self.fd, _EX_NB)
+            except BlockingIOError:
+                self._wait()
+        except BaseException:
+            self._tlock.release()
+            raise
+        self._depth = 1
+        c = self._c
+        if c[C_DIRTY]:
+            self._dirty_on_entry()
+        else:
+            self._keep_dirty = 0
+            c[C_DIRTY] = 1
         return self
 
+    def _wait(self) -> None:
+        t0 = time.perf_counter_ns()
+        _flock(self.fd, fcntl.LOCK_EX)
+        waited = time.perf_counter_ns() - t0
+        if waited > self._c[C_LOCK_WAIT_NS]:
+            self._c[C_LOCK_WAIT_NS] = waited
+
+    def _dirty_on_entry(self) -> None:
+        try:
+            # False: nobody could repair yet (a manager still attaching)
+            self._keep_dirty = int(self._on_dirty() is False)
+        except BaseException:
+            # Still dirty: the next holder repairs. Never keep the lock.
+            self._depth = 0
+            _flock(self.fd, _UN)
+            self._tlock.release()
+            raise
+        self._c[C_DIRTY] = 1
+
     def __exit__(self, et, ev, tb):
-        self._depth -= 1
-        if self._depth == 0:
-            try:
-                if et is not None and not issubclass(et, CLEAN_ERRORS):
-                    # Interrupted mid-update (KeyboardInterrupt, a bug):
-                    # repair now, while we still hold the lock.
-                    self._on_dirty()
-                self._c[C_OPS] += 1
-                self._c[C_DIRTY] = int(self._keep_dirty)
-            finally:
-                fcntl.flock(self.fd, fcntl.LOCK_UN)
-                self._tlock.release()
-        else:
+        d = self._depth - 1
+        self._depth = d
+        if d:
+            self._tlock.release()
+            return False
+        try:
+            if et is not None and not issubclass(et, CLEAN_ERRORS):
+                # Interrupted mid-update (KeyboardInterrupt, a bug):
+                # repair now, while we still hold the lock.
+                self._on_dirty()
+            c = self._c
+            c[C_OPS] += 1
+            c[C_DIRTY] = self._keep_dirty
+        finally:
+            _flock(self.fd, _UN)
             self._tlock.release()
         return False
 

@@ -110,6 +110,16 @@ def _release_slot_holdings(p: Pool, refs: RefStore, slot: int) -> int:
     return n
 
 
+def reclaim_dead_slots(p: Pool, refs: RefStore) -> int:
+    """Release everything dead managers hold and free their slots (lock held)."""
+    n = 0
+    for s in p.dead_slots():
+        n += _release_slot_holdings(p, refs, s)
+        p.slots["state"][s] = 0
+    p.c[L.C_RECLAIMED] += n
+    return n
+
+
 def _unlink_table(p: Pool, refs: RefStore, t: int) -> None:
     p.t_state[t] = 0           # commit: the table is gone
     p.c[L.C_NUM_TABLES] -= 1
@@ -259,7 +269,7 @@ class PoolOps:
         data = token_bytes(token_ids)
         extra = extra_bytes(extra_keys)
         if extra:
-            return self._hashes_salted(data, n_blocks, extra, parent, start)
+            return self._chain(data, n_blocks, extra, parent, start)
         step = 4 * self.block_size
         out = []
         h = parent or self._root
@@ -270,7 +280,7 @@ class PoolOps:
             out.append(h)
         return out
 
-    def _hashes_salted(self, data, n_blocks, extra, parent, start) -> list:
+    def _chain(self, data: bytes, n_blocks: int, extra: bytes, parent=None, start=0) -> list:
         step = 4 * self.block_size
         out = []
         for i in range(start, n_blocks):
@@ -345,11 +355,5 @@ class PoolOps:
             p.t_tok[t] += tokens_in_block
 
     def _reclaim_locked(self) -> int:
-        p = self._p
-        n = 0
-        for s in p.dead_slots():
-            n += _release_slot_holdings(p, self._refs, s)
-            p.slots["state"][s] = 0
-        p.c[L.C_RECLAIMED] += n
-        return n
+        return reclaim_dead_slots(self._p, self._refs)
 

@@ -281,11 +281,9 @@ class Pool:
             if not (st == 0).any() and not self.lock._keep_dirty:
                 # No free slot: release what dead holders left so their slots
                 # can be reused (a clean pool only; a dirty one waits for repair).
-                from .core import _release_slot_holdings   # core imports this module
+                from .core import reclaim_dead_slots   # core imports this module
                 from .refs import RefStore
-                for s in self.dead_slots():
-                    self.c[L.C_RECLAIMED] += _release_slot_holdings(self, RefStore(self), s)
-                    st[s] = 0
+                reclaim_dead_slots(self, RefStore(self))
             for s in np.flatnonzero(st == 0).tolist() + np.flatnonzero(st == 1).tolist():
                 if st[s] == 1:
                     if self.slot_alive(s) or self.on_dirty is None:

@@ -8,8 +8,7 @@ from typing import Any, List, Optional, Tuple
 
 
 from . import layout as L
-from .blocks import (BlockHash, CacheBlock, chain_hash,
-                     compute_block_hash, token_bytes)
+from .blocks import (BlockHash, CacheBlock, compute_block_hash, token_bytes)
 from .views import SharedBlock
 
 logger = logging.getLogger("shmcache.paged_cache")
@@ -150,12 +149,9 @@ class PrefixOps(PoolOps):
             return SharedBlock(self, b)
 
     def _chunk_hashes(self, tokens) -> list:
+        """Chain hashes of ``tokens`` cut into blocks, the last one possibly partial."""
         data = token_bytes(tokens)
-        step, out, parent = 4 * self.block_size, [], None
-        for i in range(0, len(data), step):
-            parent = chain_hash(self._root, parent, data[i:i + step], b"")
-            out.append(parent)
-        return out
+        return self._chain(data, -(-len(data) // (4 * self.block_size)), b"")
 
     def register_block_hash(self, block: CacheBlock, tokens: List[int]) -> None:
         """Cache ``block`` as the last block of the prefix ``tokens``."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
+
 from .blocks import BlockTable, CacheBlock, CacheStats
 from .layout import C_COW, C_EVICTIONS, C_HITS, C_MISSES, FLAG_NULL
 
@@ -188,7 +190,6 @@ class AllocatedBlocksView(_View):
         return isinstance(block_id, int) and 0 <= block_id < m.max_blocks and m._p.b_ref[block_id] > 0
 
     def __iter__(self):
-        import numpy as np
         return iter(np.flatnonzero(self._m._p.blocks["ref_count"][: self._m.max_blocks] > 0).tolist())
 
     def __len__(self) -> int:

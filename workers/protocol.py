@@ -38,7 +38,6 @@ class Done(msgspec.Struct, tag="done"):
     outputs: list[list[int]]
     ttft_s: float
     preemptions: int
-    table_blocks: int        # blocks the request's tables held at peak, counted per table
 
 
 class Failed(msgspec.Struct, tag="failed"):

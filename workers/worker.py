@@ -48,7 +48,6 @@ class _Running:
     published: int = 0
     cached_tokens: int = 0
     ttft: float = -1.0
-    peak_table_blocks: int = 0
 
 
 class Worker:
@@ -145,11 +144,6 @@ class Worker:
         st.rngs = [np.random.default_rng([req.seed, req.id, j]) for j in range(req.n)]
         st.outputs = [[sample(logits, req.temperature, st.rngs[j])] for j in range(req.n)]
         st.ttft = time.perf_counter() - st.t_arrival
-        self._note_blocks(st)
-
-    def _note_blocks(self, st: _Running) -> None:
-        n = sum(len(t) for t in st.tables)
-        st.peak_table_blocks = max(st.peak_table_blocks, n)
 
     def _decode_step(self, st: _Running) -> None:
         req = st.req
@@ -158,7 +152,6 @@ class Worker:
                 continue
             logits = decode_step(self.model, out[-1], st.seams[j])
             out.append(sample(logits, req.temperature, st.rngs[j]))
-        self._note_blocks(st)
 
     def _finished(self, st: _Running) -> bool:
         return bool(st.outputs) and all(len(o) >= st.req.max_new_tokens for o in st.outputs)
@@ -198,7 +191,7 @@ class Worker:
                 self.running.remove(st)
                 self._release(st)
                 done.append(Done(st.req.id, self.id, len(st.req.prompt), st.cached_tokens,
-                                 st.outputs, st.ttft, st.preemptions, st.peak_table_blocks))
+                                 st.outputs, st.ttft, st.preemptions))
                 self.arrivals.pop(st.req.id, None)
                 self._pressure = False
         return done

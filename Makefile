@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py shmcache/_hot.c
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test]'
@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml
 
 test: setup
 	$(BIN)/python -m pytest -q
+	# the fallback where the C accelerator is not built: same mutex, Python paths
+	SHMCACHE_PURE=1 $(BIN)/python -m pytest -q tests/test_mutex.py tests/test_recovery.py \
+		tests/test_paged_cache.py tests/test_lock.py
 
 run: setup
 	$(BIN)/python -m workers.supervisor
@@ -24,4 +27,4 @@ bench: setup
 	$(BIN)/python -m tools.bench
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info shmcache/*.so

@@ -4,6 +4,7 @@ public operation is built from, and the release paths recovery uses."""
 from __future__ import annotations
 
 import logging
+import errno
 import os
 from hashlib import blake2b
 from typing import Tuple
@@ -35,9 +36,9 @@ def _rid_key(request_id) -> Tuple[bytes, int]:
 
 def _locked_here_through_another(p: Pool) -> bool:
     """Whether this thread holds (or is taking) the lock of ``p``'s segment
-    through another manager of this process. flock excludes open file
-    descriptions, not processes, so taking ``p``'s own lock would then wait
-    on ourselves forever (a finalizer run by the GC inside that manager's op)."""
+    through another manager of this process. The mutex belongs to the thread
+    that took it, so taking ``p``'s own lock would then fail with EDEADLK
+    (a finalizer run by the GC inside that manager's op)."""
     from .pool import _live_pools
     try:
         st = os.fstat(p.fd)
@@ -78,6 +79,14 @@ def _close(p: Pool, refs: RefStore, destroy: bool, finalizing: bool = False) -> 
             p.lock.unusable = True
     except PoolClosedError:
         pass                    # another thread closed it while we waited
+    except OSError as e:
+        # EDEADLK: this thread holds the pool mutex through a C fast path
+        # of another manager (a finalizer run by the GC inside it). Leave as
+        # a death would; whoever reclaims next releases what we held.
+        if e.errno != errno.EDEADLK or p.slot < 0:
+            raise
+        from .lock import ofd_unlock
+        ofd_unlock(p.live_fd, p._liveness_off(p.slot))
     finally:
         if destroy and p.creator and not p.private:
             from . import segment

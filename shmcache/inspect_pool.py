@@ -2,9 +2,10 @@
 
 A :class:`PoolView` maps a pool's metadata (never its KV arena) read-only and
 takes no slot, so it works on a pool whose owner is dead without changing
-anything in it. Snapshots are taken under a *shared* ``flock`` of the pool
-lock when it can be had within a short wait (writers hold it exclusively), so
-the figures are consistent; otherwise they are read as they are.
+anything in it but the lock word: snapshots are taken under the pool lock
+when it can be had within a short wait, so the figures are consistent;
+otherwise they are read as they are. (Taking the lock from a dead holder
+marks the pool dirty, as any locker does, so the next manager repairs it.)
 
 Liveness: the owner is the header's ``creator_pid`` whose process start time
 equals ``creator_start``; an attached manager is a slot in state 1 whose
@@ -14,7 +15,6 @@ liveness byte is OFD-locked by some open file description.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import mmap
 import os
 import time
@@ -26,6 +26,7 @@ from . import layout as L
 from . import recovery, segment
 from .errors import IncompatiblePoolError, PoolNotFoundError
 from .lock import ofd_held_by_other
+from .mutex import MUTEX_MAP_SIZE, open_mutex
 
 STAT_KEYS = ("allocated_blocks", "free_blocks", "shared_blocks", "cached_blocks",
              "total_tokens_cached", "cache_hits", "cache_misses", "prefix_hit_rate",
@@ -67,6 +68,7 @@ class PoolView:
             except PermissionError:
                 raise IncompatiblePoolError(f"{self.path}: permission denied") from None
         self.mm = None
+        self._lock_mm = self._lock = None
         try:
             self._read_header(require_ready)
         except BaseException:
@@ -119,25 +121,37 @@ class PoolView:
 
     # ------------------------------------------------------------ snapshots
     @contextlib.contextmanager
-    def locked(self, mode=fcntl.LOCK_SH, timeout: float = 1.0):
-        """Hold the pool lock (shared by default) if it comes within ``timeout``.
+    def locked(self, timeout: float = 1.0):
+        """Hold the pool lock if it comes within ``timeout``.
 
-        Yields True if held, False if the snapshot is taken unlocked.
+        Yields True if held, False if the snapshot is taken unlocked (also
+        when the file is read-only to us, or not initialised).
         """
+        m = self._mutex()
+        if m is None:
+            yield False
+            return
         deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(self.fd, mode | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    yield False
-                    return
-                time.sleep(0.002)
+        while m.trylock() < 0:
+            if time.monotonic() >= deadline:
+                yield False
+                return
+            time.sleep(0.002)
         try:
             yield True
         finally:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            m.unlock()
+
+    def _mutex(self):
+        if self._lock_mm is None:
+            if not self.ready or self.size < MUTEX_MAP_SIZE:
+                return None
+            try:
+                self._lock_mm = mmap.mmap(self.fd, MUTEX_MAP_SIZE)
+            except (OSError, ValueError):
+                return None         # opened read-only
+            self._lock = open_mutex(self._lock_mm)
+        return self._lock
 
     def stats(self) -> dict:
         s = recovery.scan_stats(self)
@@ -195,6 +209,11 @@ class PoolView:
     def close(self) -> None:
         for k in ("counters", "c", "slots", "blocks", "tables"):
             self.__dict__.pop(k, None)
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+            self._lock_mm.close()
+            self._lock_mm = None
         if self.mm is not None:
             try:
                 self.mm.close()
@@ -236,7 +255,7 @@ def cleanup(name: str):
     and attaches afterwards keeps a private, orphaned copy.
     """
     with PoolView(name, require_ready=False) as v:
-        with v.locked(fcntl.LOCK_EX, timeout=2.0) as held:
+        with v.locked(timeout=2.0) as held:
             if not held:
                 return False, "its lock is held by a live process"
             ok, why = removal_verdict(v)

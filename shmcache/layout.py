@@ -30,11 +30,20 @@ integers are little-endian; every section starts on a 64-byte boundary.
                                                 one layer's K (or V) for all
                                                 blocks is contiguous per head
 
-Byte ranges [LIVENESS_OFF + slot] of the file (inside the header, never
-written) carry each attached manager's OFD lock: the kernel drops it when the
-holder's open file description goes, so "can I lock that byte?" answers "is
-the holder gone?". The whole file is also the target of the pool lock
-(``flock``), which is independent of OFD byte locks on Linux.
+Inside the header page:
+
+    offset            size                      field
+    ----------------  ------------------------  ------------------------------
+    0                 HEADER_DTYPE.itemsize     the header record
+    MUTEX_OFF (1024)  MUTEX_BYTES (64)          the pool lock: a process-shared
+                                                robust pthread_mutex_t (40 B on
+                                                x86-64 glibc), see ``mutex``
+    LIVENESS_OFF      MAX_SLOTS_LIMIT (1024)    liveness bytes, never written
+      (2048)
+
+Byte ranges [LIVENESS_OFF + slot] of the file carry each attached manager's
+OFD lock: the kernel drops it when the holder's open file description goes,
+so "can I lock that byte?" answers "is the holder gone?".
 """
 
 from __future__ import annotations
@@ -44,9 +53,11 @@ from dataclasses import dataclass
 import numpy as np
 
 MAGIC = b"SHMCACH1"
-LAYOUT_VERSION = 3
+LAYOUT_VERSION = 4
 HEADER_SIZE = 4096
 COUNTERS_SIZE = 512
+MUTEX_OFF = 1024             # inside the header, past HEADER_DTYPE
+MUTEX_BYTES = 64
 LIVENESS_OFF = 2048          # inside the header, past HEADER_DTYPE
 MAX_SLOTS_LIMIT = 1024        # liveness bytes must fit in the header
 RID_BYTES = 64
@@ -92,6 +103,7 @@ C_NUM_TABLES = 10
 C_OPS = 11             # lock holds that ended cleanly
 C_FREE_REFS = 12       # unused reference records
 C_EPOCH = 13           # bumped when records move under live managers (repair, clear)
+C_HOLDER = 14          # slot of the lock's holder (-1: none, or not attached yet)
 NUM_COUNTERS = 64
 
 SLOT_DTYPE = np.dtype([
@@ -136,7 +148,7 @@ TABLE_DTYPE = np.dtype([
 
 for _dt, _size in ((SLOT_DTYPE, 64), (BLOCK_DTYPE, 36), (REF_DTYPE, 8), (TABLE_DTYPE, 96)):
     assert _dt.itemsize == _size, (_dt, _dt.itemsize)
-assert HEADER_DTYPE.itemsize <= LIVENESS_OFF
+assert HEADER_DTYPE.itemsize <= MUTEX_OFF and MUTEX_OFF + MUTEX_BYTES <= LIVENESS_OFF
 
 
 def _align(n: int, a: int = 64) -> int:

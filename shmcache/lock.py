@@ -1,10 +1,10 @@
 """The pool lock and the liveness bytes.
 
-The pool lock is ``flock`` on the segment file: any process opens it by name,
-and the kernel releases it when the holder dies, so a SIGKILLed holder blocks
-nobody. Each manager opens the file itself (an ``flock`` belongs to the open
-file description, so descriptors shared across ``fork`` would not exclude
-each other); a thread lock orders the threads of one manager.
+The pool lock is the robust pthread mutex in the segment's header (see
+``mutex``): free, it costs no system call; its holder's death hands it to the
+next locker at once, so a SIGKILLed holder blocks nobody. A thread lock
+orders the threads of one manager (the mutex belongs to the thread that took
+it, and the thread lock makes that the thread that releases it).
 
 NOTE: a holder that dies mid-update leaves half-linked lists behind. Every
 holder sets the ``dirty`` counter when it takes the lock and clears it when
@@ -21,14 +21,10 @@ import threading
 import time
 
 from .errors import ShmCacheError
-from .layout import C_DIRTY, C_LOCK_WAIT_NS, C_OPS
+from .layout import C_DIRTY, C_HOLDER, C_LOCK_WAIT_NS, C_OPS
 
 # struct flock on Linux (x86-64 and aarch64): short, short, off_t, off_t, pid_t
 _FLOCK = "hhqqi4x"
-
-_flock = fcntl.flock
-_EX_NB = fcntl.LOCK_EX | fcntl.LOCK_NB
-_UN = fcntl.LOCK_UN
 
 # Exceptions our operations raise only before they change anything
 # (check-then-commit), so the pool stays clean when they escape.
@@ -60,12 +56,14 @@ def ofd_held_by_other(fd: int, offset: int) -> bool:
 class PoolLock:
     """Reentrant inter-process lock over one pool, with a dirty mark.
 
-    ``counters`` is the pool's int64 counter memoryview. ``on_dirty`` runs with
-    the lock held when the previous holder did not leave cleanly.
+    ``native`` is the pool's mutex (``mutex.open_hot``), ``counters`` its
+    int64 counter memoryview. ``on_dirty`` runs with the lock held when the
+    previous holder did not leave cleanly.
     """
 
-    def __init__(self, fd: int, counters, on_dirty) -> None:
-        self.fd = fd
+    def __init__(self, native, counters, on_dirty) -> None:
+        self.native = native
+        self.slot = -1              # the pool's slot, recorded as the holder
         self._c = counters
         self._on_dirty = on_dirty
         self._tlock = threading.RLock()
@@ -81,12 +79,10 @@ class PoolLock:
             return self
         try:
             if self.unusable:
-                # before flock: a closed fd may be reused by another file,
-                # and a fork-inherited one shares the parent's lock
+                # before the mutex: a closed manager's mapping may be gone,
+                # and a forked child has no slot of its own
                 self.check_usable()
-            try:
-                _flock(self.fd, _EX_NB)
-            except BlockingIOError:
+            if self.native.trylock() < 0:
                 self._wait()
         except BaseException:
             self._tlock.release()
@@ -96,13 +92,15 @@ class PoolLock:
         if c[C_DIRTY]:
             self._dirty_on_entry()
         else:
+            # (a dirty pool keeps the holder that left it so: repair waits for it)
+            c[C_HOLDER] = self.slot
             self._keep_dirty = 0
             c[C_DIRTY] = 1
         return self
 
     def _wait(self) -> None:
         t0 = time.perf_counter_ns()
-        _flock(self.fd, fcntl.LOCK_EX)
+        self.native.lock()
         waited = time.perf_counter_ns() - t0
         if waited > self._c[C_LOCK_WAIT_NS]:
             self._c[C_LOCK_WAIT_NS] = waited
@@ -114,7 +112,7 @@ class PoolLock:
         except BaseException:
             # Still dirty: the next holder repairs. Never keep the lock.
             self._depth = 0
-            _flock(self.fd, _UN)
+            self.native.unlock()
             self._tlock.release()
             raise
         self._c[C_DIRTY] = 1
@@ -134,7 +132,7 @@ class PoolLock:
             c[C_OPS] += 1
             c[C_DIRTY] = self._keep_dirty
         finally:
-            _flock(self.fd, _UN)
+            self.native.unlock()
             self._tlock.release()
         return False
 

@@ -124,7 +124,12 @@ class PagedCacheManager(TableOps, PrefixOps):
         Returns:
             The block, or None when the pool has no free block.
         """
-        with self._p.lock:
+        p = self._p
+        if p.native.alloc is not None and not p.lock.unusable:
+            ids = self._native(p.native.alloc, 1)
+            if ids is not None:
+                return SharedBlock(self, ids[0])
+        with p.lock:
             self._sync()
             if not self._ensure_free(1):
                 logger.warning("Out of cache blocks")
@@ -132,6 +137,18 @@ class PagedCacheManager(TableOps, PrefixOps):
             self._refs.need(1)
             b = alloc_loose(self, 1)[0]
         return SharedBlock(self, b)
+
+    def _native(self, op, arg):
+        # The C fast path: it changes nothing and returns None whenever the
+        # lock is busy or anything needs the slow path (a stale or dirty
+        # view, cached blocks to evict, an error to raise).
+        p = self._p
+        try:
+            return op(arg, p.slot, self._epoch, self._refs.loose)
+        except MemoryError:
+            with p.lock:
+                self._refs.resync()     # the op committed; the local map did not
+            raise
 
     def get_new_blocks(self, num_blocks: int) -> List[CacheBlock]:
         """Allocate ``num_blocks`` blocks at once.
@@ -141,7 +158,12 @@ class PagedCacheManager(TableOps, PrefixOps):
         """
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
             raise ValueError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
-        with self._p.lock:
+        p = self._p
+        if num_blocks and p.native.alloc is not None and not p.lock.unusable:
+            ids = self._native(p.native.alloc, num_blocks)
+            if ids is not None:
+                return [SharedBlock(self, b) for b in ids]
+        with p.lock:
             self._sync()
             if not self._ensure_free(num_blocks):
                 raise OutOfBlocksError(f"Cannot allocate {num_blocks} blocks, only "
@@ -169,7 +191,12 @@ class PagedCacheManager(TableOps, PrefixOps):
             ValueError: out-of-range id, or a double free (this manager holds
                 no loose reference to an allocated block).
         """
-        with self._p.lock:
+        p = self._p
+        if type(block_id) is int and p.native.free is not None and not p.lock.unusable:
+            freed = self._native(p.native.free, (block_id,))
+            if freed is not None:
+                return freed == 1
+        with p.lock:
             self._sync()
             b = self._bid(block_id)
             if self._p.b_ref[b] <= 0:
@@ -190,7 +217,11 @@ class PagedCacheManager(TableOps, PrefixOps):
                 (as many times as listed) by this manager; nothing is freed then.
         """
         ids = self._bids(blocks)
-        with self._p.lock:
+        p = self._p
+        if p.native.free is not None and not p.lock.unusable:
+            if self._native(p.native.free, ids) is not None:
+                return
+        with p.lock:
             self._sync()
             loose = self._refs.loose
             if len(set(ids)) != len(ids) or not all(b in loose for b in ids):

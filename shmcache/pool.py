@@ -19,13 +19,14 @@ from . import segment
 from .index import OpenIndex
 from .errors import CapacityError, IncompatiblePoolError, PoolClosedError
 from .lock import PoolLock, ofd_held_by_other, ofd_lock, ofd_unlock
+from .mutex import open_hot
 
 _live_pools: "weakref.WeakSet[Pool]" = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
-    # The child shares the parent's open file descriptions, so its flock and
-    # liveness byte would be the parent's. It must attach() on its own.
+    # The child shares the parent's open file descriptions, so its liveness
+    # byte would be the parent's. It must attach() on its own.
     for p in list(_live_pools):
         p._forked = True
         p.lock.unusable = True
@@ -80,7 +81,9 @@ class Pool:
         self.slot = -1
         self.live_fd = _liveness_fd(fd)
         self._map_views()
-        self.lock = PoolLock(fd, self.c, self._on_dirty)
+        # the pool mutex and the fused operations (C, or ctypes + fastpath)
+        self.native = open_hot(mm, lay, self.created_at)
+        self.lock = PoolLock(self.native, self.c, self._on_dirty)
         self.lock.check_usable = self.check_usable
         self.lock.unusable = False
         self.on_dirty = None        # set by the manager: repair + reclaim
@@ -236,6 +239,9 @@ class Pool:
         h["total_size"] = lay.total_size
         self.created_at = float(h[0]["created_at"])
         self.seed = bytes(h[0]["seed"])
+        self.native.init_mutex()
+        self.native.release()       # again, now that created_at is known
+        self.native = self.lock.native = open_hot(self.mm, lay, self.created_at)
         n = lay.max_blocks
         b = self.blocks
         ids = np.arange(n + 2, dtype=np.int32)
@@ -256,6 +262,7 @@ class Pool:
         r["block_id"] = -1
         r["next"] = np.arange(1, lay.max_refs + 1, dtype=np.int32)
         r["next"][-1] = -1
+        self.c[L.C_HOLDER] = -1
         self.c[L.C_FREE_REF] = 0
         self.c[L.C_FREE_REFS] = lay.max_refs
         self.hidx[:] = -1
@@ -296,7 +303,7 @@ class Pool:
                     sl["loose_head"] = -1
                     sl["loose_count"] = 0
                     sl["state"] = 1
-                    self.slot = int(s)
+                    self.slot = self.lock.slot = int(s)
                     return
             raise CapacityError(
                 f"pool {self.name!r} has no free slot: all {self.layout.max_slots} "
@@ -306,12 +313,25 @@ class Pool:
         if self.slot >= 0:
             self.slots["state"][self.slot] = 0
             ofd_unlock(self.live_fd, self._liveness_off(self.slot))
-            self.slot = -1
+            self.slot = self.lock.slot = -1
 
     def _on_dirty(self):
         if self.on_dirty is None:
             return False        # not repaired: the lock keeps the pool dirty
+        self._await_dead_holder()
         self.on_dirty()
+
+    def _await_dead_holder(self, timeout: float = 2.0) -> None:
+        # NOTE: the kernel hands a robust mutex on when its dying holder's
+        # memory goes, a moment before its files (and liveness byte) close:
+        # wait for that, so that the repair reclaims what the holder held.
+        s = int(self.c[L.C_HOLDER])
+        if not 0 <= s < self.layout.max_slots or s == self.slot:
+            return
+        deadline = time.monotonic() + timeout
+        while (self.slots["state"][s] == 1 and self.slot_alive(s)
+               and time.monotonic() < deadline):
+            time.sleep(0.001)
 
     def check_usable(self) -> None:
         if self.closed or (self.slot < 0 and self.lock.unusable and not self._forked):
@@ -335,6 +355,7 @@ class Pool:
                     "c", "raw", "header", "counters", "slots", "blocks", "hidx",
                     "refs", "tables", "tidx", "arena", "hindex", "tindex", "hhome", "hot"):
                 setattr(self, k, None)
+        self.native.release()
         try:
             self.mm.close()
         except BufferError:

@@ -35,8 +35,9 @@ def snapshot(m):
     p = m._p
     lay = p.layout
     c = p.counters.copy()
-    c[[L.C_OPS, L.C_LOCK_WAIT_NS, L.C_DIRTY]] = 0
-    return (bytes(p.mm[:lay.counters_off]), c.tobytes(),
+    c[[L.C_OPS, L.C_LOCK_WAIT_NS, L.C_DIRTY, L.C_HOLDER]] = 0
+    hdr = bytes(p.mm[:L.MUTEX_OFF]) + bytes(p.mm[L.MUTEX_OFF + L.MUTEX_BYTES:lay.counters_off])
+    return (hdr, c.tobytes(),
             bytes(p.mm[lay.slots_off:lay.arena_off]),
             {k: list(v) for k, v in m._refs.loose.items()})
 

@@ -446,6 +446,9 @@ class Server:
     def cmd_slot(self):
         return self.p.slot
 
+    def cmd_native(self):
+        return type(self.p.native).__name__
+
     def cmd_lock_enter(self):
         self.p.lock.__enter__()
         return self.p.lock.held
@@ -562,14 +565,15 @@ class WorkerProc:
     not a fork of the test), with line-wise stdout read by a thread so that
     every wait has a timeout."""
 
-    def __init__(self, *args) -> None:
+    def __init__(self, *args, env=None) -> None:
         import queue
         import subprocess
         self.args = [str(a) for a in args]
         self.proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), *self.args],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, bufsize=1, close_fds=True)
+            text=True, bufsize=1, close_fds=True,
+            env=None if env is None else {**os.environ, **env})
         self.pid = self.proc.pid
         self.lines: "queue.Queue" = queue.Queue()
         self.err: list = []
@@ -654,28 +658,59 @@ class WorkerProc:
         return self.proc.poll() is None
 
 
-def flock_waiters(path: str) -> set:
-    """Pids blocked in flock() on ``path``, from /proc/locks."""
-    ino = os.stat(path).st_ino
+_FUTEX_NR = {"x86_64": 202, "aarch64": 98}
+
+
+def lock_waiters(path: str) -> set:
+    """Pids with a thread blocked in futex() on the pool mutex of ``path``:
+    from /proc, the kernel's own view (each process maps the segment at its
+    own address, found in its maps by the segment's inode)."""
+    import platform
+    from shmcache import layout as L
+    ino = str(os.stat(path).st_ino)
+    nr = str(_FUTEX_NR[platform.machine()])
     out = set()
-    with open("/proc/locks") as f:
-        for line in f:
-            parts = line.split()
-            if "->" in parts and "FLOCK" in parts:
-                i = parts.index("FLOCK")
-                pid, dev = parts[i + 3], parts[i + 4]
-                if dev.endswith(f":{ino}"):
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                addrs = {int(ln.split("-", 1)[0], 16) + L.MUTEX_OFF
+                         for ln in f if ln.split()[4:5] == [ino] and ln.split()[2] == "00000000"}
+            if not addrs:
+                continue
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/syscall") as f:
+                    sc = f.read().split()
+                if len(sc) > 1 and sc[0] == nr and int(sc[1], 16) in addrs:
                     out.add(int(pid))
+        except (OSError, ValueError, IndexError):
+            continue        # gone, or not ours to read
     return out
 
 
-def wait_for_flock_waiter(path: str, pid: int, timeout: float = 20.0) -> None:
-    """Return once ``pid`` is blocked in flock() on ``path`` (a handshake through the kernel)."""
-    if not os.path.exists("/proc/locks"):
-        import pytest
-        pytest.skip("/proc/locks is not available to observe lock waiters")
+def wait_for_lock_waiter(path: str, pid: int, timeout: float = 20.0) -> None:
+    """Return once ``pid`` is blocked on the pool lock of ``path`` (a handshake through the kernel)."""
     deadline = time.monotonic() + timeout
-    while pid not in flock_waiters(path):
+    while pid not in lock_waiters(path):
         if time.monotonic() > deadline:
             raise AssertionError(f"pid {pid} never blocked on the pool lock of {path}")
         time.sleep(0.005)
+
+
+def lock_is_busy(path: str) -> bool:
+    """Whether someone holds the pool lock of ``path`` (tried through a mapping of our own)."""
+    import mmap
+    from shmcache.mutex import MUTEX_MAP_SIZE, open_mutex
+    fd = os.open(path, os.O_RDWR)
+    try:
+        mm = mmap.mmap(fd, MUTEX_MAP_SIZE)
+    finally:
+        os.close(fd)
+    m = open_mutex(mm)
+    try:
+        if m.trylock() < 0:
+            return True
+        m.unlock()
+        return False
+    finally:
+        m.release()
+        mm.close()

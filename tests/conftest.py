@@ -66,12 +66,12 @@ def manager():
 
 @pytest.fixture
 def spawn():
-    """spawn(*args) -> a started ``_proc_worker.WorkerProc``; all are killed at teardown."""
+    """spawn(*args, env=None) -> a started ``_proc_worker.WorkerProc``; all are killed at teardown."""
     from _proc_worker import WorkerProc
     procs = []
 
-    def start(*args):
-        w = WorkerProc(*args)
+    def start(*args, **kw):
+        w = WorkerProc(*args, **kw)
         procs.append(w)
         return w
 

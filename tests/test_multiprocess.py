@@ -7,7 +7,6 @@ Every wait has a timeout, and every worker is killed in teardown.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import subprocess
@@ -21,7 +20,8 @@ import shmcache
 from shmcache import layout as L
 from shmcache import segment
 
-from _proc_worker import RemoteError, family_tokens, verify_blocks, wait_for_flock_waiter
+from _proc_worker import (RemoteError, family_tokens, lock_is_busy, verify_blocks,
+                          wait_for_lock_waiter)
 
 BS = 4
 LAYOUT = dict(block_size=BS, num_layers=1, num_kv_heads=2, head_dim=4, dtype="float32")
@@ -92,13 +92,8 @@ def test_lock_excludes_across_processes(make_pool, spawn, tmp_path):
     child = spawn("serve", mgr.name)
     child.ready()
     assert child.call("lock_enter") is True
-    # Another open file description of the segment cannot take the lock.
-    fd = os.open(path, os.O_RDWR)
-    try:
-        with pytest.raises(BlockingIOError):
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    finally:
-        os.close(fd)
+    # Another mapping of the segment cannot take the lock.
+    assert lock_is_busy(path)
 
     got = {}
 
@@ -110,8 +105,8 @@ def test_lock_excludes_across_processes(make_pool, spawn, tmp_path):
 
     th = threading.Thread(target=parent_op, daemon=True)
     th.start()
-    # The kernel shows our thread blocked in flock() on the pool: a handshake, not a timer.
-    wait_for_flock_waiter(path, os.getpid())
+    # The kernel shows our thread blocked on the pool mutex: a handshake, not a timer.
+    wait_for_lock_waiter(path, os.getpid())
     assert th.is_alive() and not order.exists()
     # While it waits, the child changes the pool under the lock it holds.
     child_blocks = child.call("alloc", n=3)
@@ -126,7 +121,7 @@ def test_lock_excludes_across_processes(make_pool, spawn, tmp_path):
     # And the other way round: the parent holds the lock, the child waits.
     with mgr._p.lock:
         child.request("stats")
-        wait_for_flock_waiter(path, child.pid)
+        wait_for_lock_waiter(path, child.pid)
         mine = [b.block_id for b in mgr.get_new_blocks(2)]
     st = child.result()
     assert st["allocated_blocks"] == 1 + 3 + 1 + 2        # saw our change, made under the lock

@@ -9,7 +9,6 @@ worker is killed in teardown; pools are destroyed by ``make_pool``.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import random
@@ -24,8 +23,9 @@ import shmcache
 from shmcache import layout as L
 from shmcache import segment
 
-from _proc_worker import (SCRIBBLES, RemoteError, extra_for, family_tokens, verify_blocks,
-                          wait_for_flock_waiter, write_positions)
+from _proc_worker import (SCRIBBLES, RemoteError, extra_for, family_tokens, lock_is_busy,
+                          verify_blocks,
+                          wait_for_lock_waiter, write_positions)
 
 BS = 4
 LAYOUT = dict(block_size=BS, num_layers=1, num_kv_heads=2, head_dim=4, dtype="float32")
@@ -37,14 +37,7 @@ def ref_counts(mgr) -> np.ndarray:
 
 
 def lock_is_held_elsewhere(mgr) -> bool:
-    fd = os.open(segment.path_for(mgr.name), os.O_RDWR)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
+    return lock_is_busy(segment.path_for(mgr.name))
 
 
 def run_with_deadline(fn, timeout: float):
@@ -232,8 +225,8 @@ def test_killed_mid_update_under_the_lock(make_pool, spawn, kind):
     th = threading.Thread(target=lambda: th_result.setdefault("b", mgr.allocate_block().block_id),
                           daemon=True)
     th.start()
-    wait_for_flock_waiter(path, os.getpid())
-    wait_for_flock_waiter(path, waiter.pid)
+    wait_for_lock_waiter(path, os.getpid())
+    wait_for_lock_waiter(path, waiter.pid)
     t_kill = time.monotonic()
     w.kill()
     th.join(timeout=10)
@@ -311,8 +304,8 @@ def test_killed_holding_the_lock_blocks_nobody(make_pool, spawn):
     a.request("alloc", n=2)
     b.request("stats")
     path = segment.path_for(mgr.name)
-    wait_for_flock_waiter(path, a.pid)
-    wait_for_flock_waiter(path, b.pid)
+    wait_for_lock_waiter(path, a.pid)
+    wait_for_lock_waiter(path, b.pid)
     t0 = time.monotonic()
     holder.kill()
     assert len(a.result(timeout=10)) == 2

@@ -1,0 +1,661 @@
+/* shmcache._hot: the pool mutex and the two operations a scheduler calls on
+ * every step (allocate blocks, free a batch of them), in C.
+ *
+ * The pool lock is a process-shared *robust* pthread mutex that lives in the
+ * pool header (layout.MUTEX_OFF): locking it costs no system call when it is
+ * free, and when its holder dies the kernel hands it to the next locker with
+ * EOWNERDEAD (we make it consistent at once and return 1, so that the caller
+ * looks at the pool's dirty mark and repairs if the holder died mid-update).
+ *
+ * alloc() and free() do exactly what shmcache/fastpath.py does (which stays
+ * as the fallback where this module is not built), plus taking and leaving
+ * the lock, in one call: in Python a call costs as much as the work. They
+ * only ever *try* the lock: holding the GIL while waiting for a lock that
+ * another thread of this process holds would deadlock, so when the lock is
+ * busy, the pool dirty, the manager's view stale or anything unusual they
+ * return None having changed nothing, and the caller takes the slow path.
+ *
+ * NOTE: crash consistency is the Python code's: the dirty mark is set (with a
+ * fence) before the first shared write and cleared after the last, so a
+ * holder killed in between leaves a pool that the next holder repairs.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+/* The parameters Hot() takes, in this order (a tuple of ints). */
+enum {
+    P_MUTEX_OFF, P_COUNTERS_OFF,
+    P_BLOCKS_OFF, P_BLOCK_SIZE, P_B_REF, P_B_PREV, P_B_NEXT, P_B_FLAGS, P_B_TOK, P_B_LAST,
+    P_REFS_OFF, P_REF_SIZE, P_R_BLOCK, P_R_NEXT,
+    P_SLOTS_OFF, P_SLOT_SIZE, P_S_HEAD, P_S_COUNT,
+    P_MAX_BLOCKS, P_MAX_SLOTS, P_FLAG_CACHED,
+    P_C_DIRTY, P_C_NUM_FREE, P_C_FREE_REF, P_C_FREE_REFS, P_C_OPS, P_C_EPOCH, P_C_HOLDER,
+    P_COUNT
+};
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer view;
+    int has_view;
+    char *base;
+    pthread_mutex_t *mutex;
+    int64_t *c;
+    Py_ssize_t p[P_COUNT];
+    double created_at;
+} Hot;
+
+#define FENCE() __atomic_thread_fence(__ATOMIC_SEQ_CST)
+#define BF(h, b, f, T) (*(T *)((h)->base + (h)->p[P_BLOCKS_OFF] + (int64_t)(b) * (h)->p[P_BLOCK_SIZE] + (h)->p[f]))
+#define REF(h, b) BF(h, b, P_B_REF, int32_t)
+#define PREV(h, b) BF(h, b, P_B_PREV, int32_t)
+#define NEXT(h, b) BF(h, b, P_B_NEXT, int32_t)
+#define FLAGS(h, b) BF(h, b, P_B_FLAGS, uint16_t)
+#define TOK(h, b) BF(h, b, P_B_TOK, uint16_t)
+#define LAST(h, b) BF(h, b, P_B_LAST, float)
+#define RF(h, r, f) (*(int32_t *)((h)->base + (h)->p[P_REFS_OFF] + (int64_t)(r) * (h)->p[P_REF_SIZE] + (h)->p[f]))
+#define RBLOCK(h, r) RF(h, r, P_R_BLOCK)
+#define RNEXT(h, r) RF(h, r, P_R_NEXT)
+#define SF(h, s, f) (*(int32_t *)((h)->base + (h)->p[P_SLOTS_OFF] + (int64_t)(s) * (h)->p[P_SLOT_SIZE] + (h)->p[f]))
+#define C(h, i) ((h)->c[(h)->p[i]])
+
+static int
+hot_ready(Hot *h)
+{
+    if (!h->has_view) {
+        PyErr_SetString(PyExc_ValueError, "pool mapping already released");
+        return 0;
+    }
+    return 1;
+}
+
+static int
+Hot_init(Hot *self, PyObject *args, PyObject *kw)
+{
+    PyObject *buf, *params;
+    double created_at = 0.0;
+    if (!PyArg_ParseTuple(args, "OO!|d", &buf, &PyTuple_Type, &params, &created_at))
+        return -1;
+    if (PyTuple_GET_SIZE(params) != P_COUNT) {
+        PyErr_Format(PyExc_ValueError, "Hot() takes %d parameters, got %zd",
+                     (int)P_COUNT, PyTuple_GET_SIZE(params));
+        return -1;
+    }
+    for (int i = 0; i < P_COUNT; i++) {
+        Py_ssize_t v = PyLong_AsSsize_t(PyTuple_GET_ITEM(params, i));
+        if (v == -1 && PyErr_Occurred())
+            return -1;
+        self->p[i] = v;
+    }
+    if (self->has_view) {
+        PyBuffer_Release(&self->view);
+        self->has_view = 0;
+    }
+    if (PyObject_GetBuffer(buf, &self->view, PyBUF_WRITABLE | PyBUF_SIMPLE) < 0)
+        return -1;
+    self->has_view = 1;
+    /* the counters (64 int64) are written when a dead holder is found */
+    if (self->view.len < self->p[P_MUTEX_OFF] + (Py_ssize_t)sizeof(pthread_mutex_t) ||
+        self->view.len < self->p[P_COUNTERS_OFF] + 64 * 8) {
+        PyErr_SetString(PyExc_ValueError, "buffer too small for the pool mutex and counters");
+        PyBuffer_Release(&self->view);
+        self->has_view = 0;
+        return -1;
+    }
+    self->base = (char *)self->view.buf;
+    self->mutex = (pthread_mutex_t *)(self->base + self->p[P_MUTEX_OFF]);
+    self->c = (int64_t *)(self->base + self->p[P_COUNTERS_OFF]);
+    self->created_at = created_at;
+    return 0;
+}
+
+static void
+Hot_dealloc(Hot *self)
+{
+    if (self->has_view)
+        PyBuffer_Release(&self->view);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+Hot_release(Hot *self, PyObject *unused)
+{
+    if (self->has_view) {
+        PyBuffer_Release(&self->view);
+        self->has_view = 0;
+    }
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------- the mutex */
+
+static PyObject *
+Hot_init_mutex(Hot *self, PyObject *unused)
+{
+    pthread_mutexattr_t a;
+    int e;
+    if (!hot_ready(self))
+        return NULL;
+    if ((e = pthread_mutexattr_init(&a)) ||
+        (e = pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED)) ||
+        (e = pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST)) ||
+        (e = pthread_mutexattr_settype(&a, PTHREAD_MUTEX_ERRORCHECK)) ||
+        (e = pthread_mutex_init(self->mutex, &a))) {
+        errno = e;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    pthread_mutexattr_destroy(&a);
+    Py_RETURN_NONE;
+}
+
+/* Taken from a holder that died: make the mutex usable again and mark the
+ * pool dirty, so that whoever holds it next repairs (and reclaims the dead
+ * holder's references) whether or not it died mid-update. */
+static void
+owner_died(Hot *h)
+{
+    pthread_mutex_consistent(h->mutex);
+    C(h, P_C_DIRTY) = 1;
+    FENCE();
+}
+
+/* 0: locked; 1: locked, the previous holder died holding it; -1: busy. */
+static int
+try_lock(Hot *h)
+{
+    int e = pthread_mutex_trylock(h->mutex);
+    if (e == 0)
+        return 0;
+    if (e == EOWNERDEAD) {
+        owner_died(h);
+        return 1;
+    }
+    return -1;
+}
+
+static PyObject *
+Hot_trylock(Hot *self, PyObject *unused)
+{
+    if (!hot_ready(self))
+        return NULL;
+    return PyLong_FromLong(try_lock(self));
+}
+
+static PyObject *
+Hot_lock(Hot *self, PyObject *unused)
+{
+    int e;
+    if (!hot_ready(self))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    e = pthread_mutex_lock(self->mutex);
+    if (e == EOWNERDEAD)
+        owner_died(self);
+    Py_END_ALLOW_THREADS
+    if (e == 0 || e == EOWNERDEAD)
+        return PyLong_FromLong(e == EOWNERDEAD);
+    errno = e;
+    return PyErr_SetFromErrno(PyExc_OSError);
+}
+
+static PyObject *
+Hot_unlock(Hot *self, PyObject *unused)
+{
+    int e;
+    if (!hot_ready(self))
+        return NULL;
+    if ((e = pthread_mutex_unlock(self->mutex))) {
+        errno = e;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
+/* --------------------------------------------------------- fused ops */
+
+/* Take the lock for a fused op; 0 if the op may go on (lock held, pool
+ * clean, the manager's view current), -1 (lock not held) otherwise. */
+static int
+enter(Hot *h, long long epoch, int slot)
+{
+    if (try_lock(h) < 0)
+        return -1;
+    if (C(h, P_C_DIRTY) || C(h, P_C_EPOCH) != epoch) {
+        pthread_mutex_unlock(h->mutex);
+        return -1;
+    }
+    C(h, P_C_HOLDER) = slot;
+    return 0;
+}
+
+static void
+leave(Hot *h, int changed)
+{
+    if (changed) {
+        FENCE();
+        C(h, P_C_OPS) += 1;
+        C(h, P_C_DIRTY) = 0;
+    }
+    else {
+        C(h, P_C_OPS) += 1;
+    }
+    pthread_mutex_unlock(h->mutex);
+}
+
+static void
+begin_update(Hot *h)
+{
+    C(h, P_C_DIRTY) = 1;
+    FENCE();
+}
+
+/* alloc(n, slot, epoch, loose) -> list of n block ids, or None.
+ * The first n free blocks must be uncached (otherwise None: the slow path
+ * evicts their cache entries), and n reference records free. */
+static PyObject *
+Hot_alloc(Hot *h, PyObject *args)
+{
+    Py_ssize_t n;
+    int slot;
+    long long epoch;
+    PyObject *loose, *ids = NULL;
+    int32_t stack_b[64], stack_r[64], *bs = stack_b, *rs = stack_r;
+    unsigned char stack_new[64], *isnew = stack_new;
+    Py_ssize_t i, done = 0;
+
+    if (!PyArg_ParseTuple(args, "niLO!", &n, &slot, &epoch, &PyDict_Type, &loose))
+        return NULL;
+    if (!hot_ready(h))
+        return NULL;
+    if (n <= 0 || slot < 0 || slot >= h->p[P_MAX_SLOTS])
+        Py_RETURN_NONE;
+    if (n > 64) {
+        bs = PyMem_Malloc(n * sizeof(int32_t));
+        rs = PyMem_Malloc(n * sizeof(int32_t));
+        isnew = PyMem_Malloc(n);
+        if (!bs || !rs || !isnew) {
+            PyErr_NoMemory();
+            goto fail;
+        }
+    }
+    if (enter(h, epoch, slot) < 0)
+        goto busy;
+    if (C(h, P_C_NUM_FREE) < n || C(h, P_C_FREE_REFS) < n) {
+        leave(h, 0);
+        goto busy;
+    }
+    {
+        const int32_t HEAD = (int32_t)h->p[P_MAX_BLOCKS];
+        const uint16_t CACHED = (uint16_t)h->p[P_FLAG_CACHED];
+        int32_t b = NEXT(h, HEAD), r = (int32_t)C(h, P_C_FREE_REF);
+        /* read-only walk first: nothing changes unless all of it works */
+        for (i = 0; i < n; i++) {
+            if (b < 0 || b >= HEAD || (FLAGS(h, b) & CACHED) || r < 0) {
+                leave(h, 0);
+                goto busy;
+            }
+            bs[i] = b;
+            rs[i] = r;
+            b = NEXT(h, b);
+            r = RNEXT(h, r);
+        }
+        /* the process-local map first (it can fail; undone below) */
+        ids = PyList_New(n);
+        if (!ids) {
+            leave(h, 0);
+            goto fail;
+        }
+        for (done = 0; done < n; done++) {
+            PyObject *bo = PyLong_FromLong(bs[done]), *ro = PyLong_FromLong(rs[done]), *lst;
+            int err = 0;
+            if (!bo || !ro) {
+                Py_XDECREF(bo);
+                Py_XDECREF(ro);
+                break;
+            }
+            lst = PyDict_GetItemWithError(loose, bo);
+            if (lst && PyList_CheckExact(lst)) {
+                isnew[done] = 0;
+                err = PyList_Append(lst, ro);
+            }
+            else if (!lst && !PyErr_Occurred()) {
+                PyObject *nl = PyList_New(1);
+                isnew[done] = 1;
+                if (nl) {
+                    Py_INCREF(ro);
+                    PyList_SET_ITEM(nl, 0, ro);
+                    err = PyDict_SetItem(loose, bo, nl);
+                    Py_DECREF(nl);
+                }
+                else
+                    err = -1;
+            }
+            else
+                err = -1;
+            Py_DECREF(ro);
+            if (err) {
+                Py_DECREF(bo);
+                break;
+            }
+            PyList_SET_ITEM(ids, done, bo);   /* steals bo */
+        }
+        if (done < n) {
+            /* undo: no allocation happens on this path */
+            for (i = done - 1; i >= 0; i--) {
+                PyObject *bo = PyList_GET_ITEM(ids, i);
+                if (isnew[i])
+                    PyDict_DelItem(loose, bo);
+                else {
+                    PyObject *lst = PyDict_GetItem(loose, bo);
+                    Py_ssize_t k = PyList_GET_SIZE(lst);
+                    PyObject *last = PyList_GET_ITEM(lst, k - 1);
+                    Py_SET_SIZE(lst, k - 1);
+                    Py_DECREF(last);
+                }
+            }
+            leave(h, 0);
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_RuntimeError, "loose-reference map is corrupt");
+            goto fail;
+        }
+        /* the shared update: pure C, cannot fail */
+        {
+            struct timespec ts;
+            float now;
+            int32_t fr = r;     /* free-record head after the n taken */
+            int32_t shead;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            now = (float)((double)ts.tv_sec + ts.tv_nsec * 1e-9 - h->created_at);
+            begin_update(h);
+            shead = SF(h, slot, P_S_HEAD);
+            for (i = 0; i < n; i++) {
+                int32_t bb = bs[i], rr = rs[i];
+                PREV(h, bb) = -1;
+                NEXT(h, bb) = -1;
+                REF(h, bb) = 1;
+                TOK(h, bb) = 0;
+                LAST(h, bb) = now;
+                RBLOCK(h, rr) = bb;
+                RNEXT(h, rr) = shead;
+                shead = rr;
+                SF(h, slot, P_S_HEAD) = rr;     /* commit: the slot holds bb */
+            }
+            NEXT(h, HEAD) = b;
+            PREV(h, b) = HEAD;
+            C(h, P_C_FREE_REF) = fr;
+            C(h, P_C_FREE_REFS) -= n;
+            C(h, P_C_NUM_FREE) -= n;
+            SF(h, slot, P_S_COUNT) += (int32_t)n;
+            leave(h, 1);
+        }
+    }
+    if (bs != stack_b) {
+        PyMem_Free(bs);
+        PyMem_Free(rs);
+        PyMem_Free(isnew);
+    }
+    return ids;
+busy:
+    if (bs != stack_b) {
+        PyMem_Free(bs);
+        PyMem_Free(rs);
+        PyMem_Free(isnew);
+    }
+    Py_RETURN_NONE;
+fail:
+    Py_XDECREF(ids);
+    if (bs != stack_b) {
+        PyMem_Free(bs);
+        PyMem_Free(rs);
+        PyMem_Free(isnew);
+    }
+    return NULL;
+}
+
+static int
+cmp_i32(const void *a, const void *b)
+{
+    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* free(ids, slot, epoch, loose) -> number of blocks that became free, or
+ * None (nothing changed) when an id is not an int in [1, max_blocks), is
+ * not held loose by this slot as many times as listed, or the lock is busy:
+ * the slow path then raises the precise error or waits. */
+static PyObject *
+Hot_free(Hot *h, PyObject *args)
+{
+    PyObject *seq, *loose, *fast = NULL;
+    int slot;
+    long long epoch;
+    int32_t stack_b[64], *bs = stack_b, *sorted = NULL;
+    Py_ssize_t n, i, freed = 0;
+    int ok = 1;
+
+    if (!PyArg_ParseTuple(args, "OiLO!", &seq, &slot, &epoch, &PyDict_Type, &loose))
+        return NULL;
+    if (!hot_ready(h))
+        return NULL;
+    if (slot < 0 || slot >= h->p[P_MAX_SLOTS])
+        Py_RETURN_NONE;
+    fast = PySequence_Fast(seq, "ids must be a sequence");
+    if (!fast)
+        return NULL;
+    n = PySequence_Fast_GET_SIZE(fast);
+    if (n == 0) {
+        Py_DECREF(fast);
+        return PyLong_FromLong(0);
+    }
+    if (n > 64) {
+        bs = PyMem_Malloc(n * sizeof(int32_t));
+        if (!bs) {
+            Py_DECREF(fast);
+            return PyErr_NoMemory();
+        }
+    }
+    for (i = 0; i < n && ok; i++) {
+        PyObject *o = PySequence_Fast_GET_ITEM(fast, i);
+        long v;
+        if (!PyLong_CheckExact(o)) {
+            ok = 0;
+            break;
+        }
+        v = PyLong_AsLong(o);
+        if (v < 1 || v >= h->p[P_MAX_BLOCKS]) {
+            PyErr_Clear();
+            ok = 0;
+            break;
+        }
+        bs[i] = (int32_t)v;
+    }
+    if (!ok || enter(h, epoch, slot) < 0)
+        goto busy;
+    /* every id held loose as many times as listed (sorted copy for counts) */
+    sorted = PyMem_Malloc(n * sizeof(int32_t));
+    if (!sorted) {
+        leave(h, 0);
+        PyErr_NoMemory();
+        goto fail;
+    }
+    memcpy(sorted, bs, n * sizeof(int32_t));
+    qsort(sorted, n, sizeof(int32_t), cmp_i32);
+    for (i = 0; i < n && ok;) {
+        Py_ssize_t j = i;
+        PyObject *key, *lst;
+        while (j < n && sorted[j] == sorted[i])
+            j++;
+        key = PyLong_FromLong(sorted[i]);
+        if (!key) {
+            leave(h, 0);
+            goto fail;
+        }
+        lst = PyDict_GetItemWithError(loose, key);
+        Py_DECREF(key);
+        if (!lst || !PyList_CheckExact(lst) || PyList_GET_SIZE(lst) < j - i)
+            ok = 0;
+        i = j;
+    }
+    if (!ok || PyErr_Occurred()) {
+        leave(h, 0);
+        if (PyErr_Occurred())
+            goto fail;
+        goto busy;
+    }
+    {
+        const int32_t HEAD = (int32_t)h->p[P_MAX_BLOCKS], TAIL = HEAD + 1;
+        const uint16_t CACHED = (uint16_t)h->p[P_FLAG_CACHED];
+        int32_t fr = (int32_t)C(h, P_C_FREE_REF);
+        begin_update(h);
+        for (i = 0; i < n; i++) {
+            int32_t b = bs[i], hd, x;
+            PyObject *bo = PySequence_Fast_GET_ITEM(fast, i), *recs, *ro;
+            Py_ssize_t k;
+            long r;
+            /* recs.pop(); if not recs: del loose[b]  (no allocation) */
+            recs = PyDict_GetItem(loose, bo);
+            k = PyList_GET_SIZE(recs);
+            ro = PyList_GET_ITEM(recs, k - 1);
+            Py_SET_SIZE(recs, k - 1);
+            r = PyLong_AsLong(ro);
+            hd = SF(h, slot, P_S_HEAD);
+            if (r != hd) {
+                /* move the head's block into r, then pop the head: O(1)
+                 * removal from a singly linked list */
+                int32_t hb = RBLOCK(h, hd);
+                PyObject *hbo = PyLong_FromLong(hb), *lst;
+                Py_ssize_t m, q;
+                RBLOCK(h, r) = hb;
+                lst = hbo ? PyDict_GetItem(loose, hbo) : NULL;
+                Py_XDECREF(hbo);
+                if (!lst) {     /* only on MemoryError: the map is resynced */
+                    Py_DECREF(ro);
+                    ro = NULL;
+                    ok = 0;
+                }
+                else {
+                    m = PyList_GET_SIZE(lst);
+                    for (q = 0; q < m; q++)
+                        if (PyLong_AsLong(PyList_GET_ITEM(lst, q)) == hd)
+                            break;
+                    if (q < m) {
+                        PyObject *old = PyList_GET_ITEM(lst, q);
+                        PyList_SET_ITEM(lst, q, ro);    /* steals ro */
+                        Py_DECREF(old);
+                        ro = NULL;
+                    }
+                    else
+                        ok = 0;
+                }
+            }
+            Py_XDECREF(ro);
+            if (k == 1)
+                PyDict_DelItem(loose, bo);
+            SF(h, slot, P_S_HEAD) = RNEXT(h, hd);   /* commit: b's reference is gone */
+            RBLOCK(h, hd) = -1;
+            RNEXT(h, hd) = fr;
+            fr = hd;
+            x = REF(h, b) - 1;
+            REF(h, b) = x;
+            if (x == 0) {
+                freed++;
+                if (FLAGS(h, b) & CACHED) {     /* to the back: evicted last */
+                    int32_t lb = PREV(h, TAIL);
+                    NEXT(h, lb) = b;
+                    PREV(h, b) = lb;
+                    NEXT(h, b) = TAIL;
+                    PREV(h, TAIL) = b;
+                }
+                else {                          /* to the front: reused first */
+                    int32_t first = NEXT(h, HEAD);
+                    PREV(h, first) = b;
+                    NEXT(h, b) = first;
+                    PREV(h, b) = HEAD;
+                    NEXT(h, HEAD) = b;
+                }
+            }
+        }
+        C(h, P_C_FREE_REF) = fr;
+        C(h, P_C_FREE_REFS) += n;
+        C(h, P_C_NUM_FREE) += freed;
+        SF(h, slot, P_S_COUNT) -= (int32_t)n;
+        leave(h, 1);
+    }
+    Py_DECREF(fast);
+    PyMem_Free(sorted);
+    if (bs != stack_b)
+        PyMem_Free(bs);
+    if (!ok) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_MemoryError, "loose-reference map must be resynced");
+        return NULL;
+    }
+    return PyLong_FromSsize_t(freed);
+busy:
+    Py_DECREF(fast);
+    PyMem_Free(sorted);
+    if (bs != stack_b)
+        PyMem_Free(bs);
+    Py_RETURN_NONE;
+fail:
+    Py_DECREF(fast);
+    PyMem_Free(sorted);
+    if (bs != stack_b)
+        PyMem_Free(bs);
+    return NULL;
+}
+
+static PyMethodDef Hot_methods[] = {
+    {"release", (PyCFunction)Hot_release, METH_NOARGS, "Release the buffer (before unmapping)."},
+    {"init_mutex", (PyCFunction)Hot_init_mutex, METH_NOARGS, "Initialise the robust mutex (creator only)."},
+    {"trylock", (PyCFunction)Hot_trylock, METH_NOARGS, "0 locked, 1 locked after the holder died, -1 busy."},
+    {"lock", (PyCFunction)Hot_lock, METH_NOARGS, "Wait for the lock (GIL released); 1 if the holder died."},
+    {"unlock", (PyCFunction)Hot_unlock, METH_NOARGS, "Release the lock."},
+    {"alloc", (PyCFunction)Hot_alloc, METH_VARARGS, "alloc(n, slot, epoch, loose) -> ids or None."},
+    {"free", (PyCFunction)Hot_free, METH_VARARGS, "free(ids, slot, epoch, loose) -> freed or None."},
+    {NULL}
+};
+
+static PyTypeObject HotType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "shmcache._hot.Hot",
+    .tp_basicsize = sizeof(Hot),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Hot(buffer, params, created_at): the pool mutex and fused operations.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Hot_init,
+    .tp_dealloc = (destructor)Hot_dealloc,
+    .tp_methods = Hot_methods,
+};
+
+static struct PyModuleDef hotmodule = {
+    PyModuleDef_HEAD_INIT, "shmcache._hot",
+    "The pool mutex and fused hot paths of shmcache, in C.", -1, NULL
+};
+
+PyMODINIT_FUNC
+PyInit__hot(void)
+{
+    PyObject *m;
+    if (PyType_Ready(&HotType) < 0)
+        return NULL;
+    m = PyModule_Create(&hotmodule);
+    if (!m)
+        return NULL;
+    Py_INCREF(&HotType);
+    if (PyModule_AddObject(m, "Hot", (PyObject *)&HotType) < 0) {
+        Py_DECREF(&HotType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddIntConstant(m, "MUTEX_SIZE", (long)sizeof(pthread_mutex_t)) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -220,10 +220,36 @@ Hot_unlock(Hot *self, PyObject *unused)
 
 /* Take the lock for a fused op; 0 if the op may go on (lock held, pool
  * clean, the manager's view current), -1 (lock not held) otherwise. */
+static inline void
+cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* A fused op holds the lock for a microsecond or two, so when it is busy a
+ * short spin usually gets it: far cheaper than the slow path's sleep in
+ * futex() and wake-up. Bounded (a few tens of microseconds): the holder may
+ * be a thread of this process waiting for the GIL we hold. */
+static int
+spin_lock(Hot *h)
+{
+    int st = try_lock(h);
+    for (int i = 0; st < 0 && i < 256; i++) {
+        for (int k = 0; k < 16; k++)
+            cpu_relax();
+        st = try_lock(h);
+    }
+    return st;
+}
+
 static int
 enter(Hot *h, long long epoch, int slot)
 {
-    if (try_lock(h) < 0)
+    if (spin_lock(h) < 0)
         return -1;
     if (C(h, P_C_DIRTY) || C(h, P_C_EPOCH) != epoch) {
         pthread_mutex_unlock(h->mutex);
@@ -254,19 +280,58 @@ begin_update(Hot *h)
     FENCE();
 }
 
+/* Record, in the process-local map, that this slot now holds bs[i] through
+ * record rs[i]; returns the list of block ids, or NULL (MemoryError). */
+static PyObject *
+local_map_add(PyObject *loose, const int32_t *bs, const int32_t *rs, Py_ssize_t n)
+{
+    PyObject *ids = PyList_New(n);
+    if (!ids)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *bo = PyLong_FromLong(bs[i]), *ro = PyLong_FromLong(rs[i]), *lst;
+        int err = -1;
+        if (bo && ro) {
+            lst = PyDict_GetItemWithError(loose, bo);
+            if (lst && PyList_CheckExact(lst))
+                err = PyList_Append(lst, ro);
+            else if (!lst && !PyErr_Occurred()) {
+                PyObject *nl = PyList_New(1);
+                if (nl) {
+                    Py_INCREF(ro);
+                    PyList_SET_ITEM(nl, 0, ro);
+                    err = PyDict_SetItem(loose, bo, nl);
+                    Py_DECREF(nl);
+                }
+            }
+        }
+        Py_XDECREF(ro);
+        if (err) {
+            Py_XDECREF(bo);
+            Py_DECREF(ids);
+            return NULL;
+        }
+        PyList_SET_ITEM(ids, i, bo);   /* steals bo */
+    }
+    return ids;
+}
+
 /* alloc(n, slot, epoch, loose) -> list of n block ids, or None.
  * The first n free blocks must be uncached (otherwise None: the slow path
- * evicts their cache entries), and n reference records free. */
+ * evicts their cache entries), and n reference records free.
+ * NOTE: the shared update is pure C and cannot fail; the process-local map
+ * is updated after the lock is released (only this thread can see it: we
+ * hold the GIL, and the GC is off so that no finalizer runs in between).
+ * Should that fail (MemoryError only), the caller rebuilds the map from
+ * the slot's records, which are the truth. */
 static PyObject *
 Hot_alloc(Hot *h, PyObject *args)
 {
-    Py_ssize_t n;
-    int slot;
+    Py_ssize_t n, i;
+    int slot, gc;
     long long epoch;
-    PyObject *loose, *ids = NULL;
+    PyObject *loose, *ids;
     int32_t stack_b[64], stack_r[64], *bs = stack_b, *rs = stack_r;
-    unsigned char stack_new[64], *isnew = stack_new;
-    Py_ssize_t i, done = 0;
 
     if (!PyArg_ParseTuple(args, "niLO!", &n, &slot, &epoch, &PyDict_Type, &loose))
         return NULL;
@@ -277,22 +342,24 @@ Hot_alloc(Hot *h, PyObject *args)
     if (n > 64) {
         bs = PyMem_Malloc(n * sizeof(int32_t));
         rs = PyMem_Malloc(n * sizeof(int32_t));
-        isnew = PyMem_Malloc(n);
-        if (!bs || !rs || !isnew) {
-            PyErr_NoMemory();
-            goto fail;
+        if (!bs || !rs) {
+            PyMem_Free(bs);
+            PyMem_Free(rs);
+            return PyErr_NoMemory();
         }
     }
     if (enter(h, epoch, slot) < 0)
         goto busy;
-    if (C(h, P_C_NUM_FREE) < n || C(h, P_C_FREE_REFS) < n) {
-        leave(h, 0);
-        goto busy;
-    }
     {
         const int32_t HEAD = (int32_t)h->p[P_MAX_BLOCKS];
         const uint16_t CACHED = (uint16_t)h->p[P_FLAG_CACHED];
-        int32_t b = NEXT(h, HEAD), r = (int32_t)C(h, P_C_FREE_REF);
+        int32_t b = NEXT(h, HEAD), r = (int32_t)C(h, P_C_FREE_REF), shead;
+        struct timespec ts;
+        float now;
+        if (C(h, P_C_NUM_FREE) < n || C(h, P_C_FREE_REFS) < n) {
+            leave(h, 0);
+            goto busy;
+        }
         /* read-only walk first: nothing changes unless all of it works */
         for (i = 0; i < n; i++) {
             if (b < 0 || b >= HEAD || (FLAGS(h, b) & CACHED) || r < 0) {
@@ -304,117 +371,49 @@ Hot_alloc(Hot *h, PyObject *args)
             b = NEXT(h, b);
             r = RNEXT(h, r);
         }
-        /* the process-local map first (it can fail; undone below) */
-        ids = PyList_New(n);
-        if (!ids) {
-            leave(h, 0);
-            goto fail;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        now = (float)((double)ts.tv_sec + ts.tv_nsec * 1e-9 - h->created_at);
+        begin_update(h);
+        shead = SF(h, slot, P_S_HEAD);
+        for (i = 0; i < n; i++) {
+            int32_t bb = bs[i], rr = rs[i];
+            PREV(h, bb) = -1;
+            NEXT(h, bb) = -1;
+            REF(h, bb) = 1;
+            TOK(h, bb) = 0;
+            LAST(h, bb) = now;
+            RBLOCK(h, rr) = bb;
+            RNEXT(h, rr) = shead;
+            shead = rr;
+            SF(h, slot, P_S_HEAD) = rr;     /* commit: the slot holds bb */
         }
-        for (done = 0; done < n; done++) {
-            PyObject *bo = PyLong_FromLong(bs[done]), *ro = PyLong_FromLong(rs[done]), *lst;
-            int err = 0;
-            if (!bo || !ro) {
-                Py_XDECREF(bo);
-                Py_XDECREF(ro);
-                break;
-            }
-            lst = PyDict_GetItemWithError(loose, bo);
-            if (lst && PyList_CheckExact(lst)) {
-                isnew[done] = 0;
-                err = PyList_Append(lst, ro);
-            }
-            else if (!lst && !PyErr_Occurred()) {
-                PyObject *nl = PyList_New(1);
-                isnew[done] = 1;
-                if (nl) {
-                    Py_INCREF(ro);
-                    PyList_SET_ITEM(nl, 0, ro);
-                    err = PyDict_SetItem(loose, bo, nl);
-                    Py_DECREF(nl);
-                }
-                else
-                    err = -1;
-            }
-            else
-                err = -1;
-            Py_DECREF(ro);
-            if (err) {
-                Py_DECREF(bo);
-                break;
-            }
-            PyList_SET_ITEM(ids, done, bo);   /* steals bo */
-        }
-        if (done < n) {
-            /* undo: no allocation happens on this path */
-            for (i = done - 1; i >= 0; i--) {
-                PyObject *bo = PyList_GET_ITEM(ids, i);
-                if (isnew[i])
-                    PyDict_DelItem(loose, bo);
-                else {
-                    PyObject *lst = PyDict_GetItem(loose, bo);
-                    Py_ssize_t k = PyList_GET_SIZE(lst);
-                    PyObject *last = PyList_GET_ITEM(lst, k - 1);
-                    Py_SET_SIZE(lst, k - 1);
-                    Py_DECREF(last);
-                }
-            }
-            leave(h, 0);
-            if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_RuntimeError, "loose-reference map is corrupt");
-            goto fail;
-        }
-        /* the shared update: pure C, cannot fail */
-        {
-            struct timespec ts;
-            float now;
-            int32_t fr = r;     /* free-record head after the n taken */
-            int32_t shead;
-            clock_gettime(CLOCK_REALTIME, &ts);
-            now = (float)((double)ts.tv_sec + ts.tv_nsec * 1e-9 - h->created_at);
-            begin_update(h);
-            shead = SF(h, slot, P_S_HEAD);
-            for (i = 0; i < n; i++) {
-                int32_t bb = bs[i], rr = rs[i];
-                PREV(h, bb) = -1;
-                NEXT(h, bb) = -1;
-                REF(h, bb) = 1;
-                TOK(h, bb) = 0;
-                LAST(h, bb) = now;
-                RBLOCK(h, rr) = bb;
-                RNEXT(h, rr) = shead;
-                shead = rr;
-                SF(h, slot, P_S_HEAD) = rr;     /* commit: the slot holds bb */
-            }
-            NEXT(h, HEAD) = b;
-            PREV(h, b) = HEAD;
-            C(h, P_C_FREE_REF) = fr;
-            C(h, P_C_FREE_REFS) -= n;
-            C(h, P_C_NUM_FREE) -= n;
-            SF(h, slot, P_S_COUNT) += (int32_t)n;
-            leave(h, 1);
-        }
+        NEXT(h, HEAD) = b;                  /* b, r: the first ones not taken */
+        PREV(h, b) = HEAD;
+        C(h, P_C_FREE_REF) = r;
+        C(h, P_C_FREE_REFS) -= n;
+        C(h, P_C_NUM_FREE) -= n;
+        SF(h, slot, P_S_COUNT) += (int32_t)n;
+        leave(h, 1);
+    }
+    gc = PyGC_Disable();
+    ids = local_map_add(loose, bs, rs, n);
+    if (gc)
+        PyGC_Enable();
+    if (!ids) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_MemoryError, "loose-reference map must be resynced");
     }
     if (bs != stack_b) {
         PyMem_Free(bs);
         PyMem_Free(rs);
-        PyMem_Free(isnew);
     }
     return ids;
 busy:
     if (bs != stack_b) {
         PyMem_Free(bs);
         PyMem_Free(rs);
-        PyMem_Free(isnew);
     }
     Py_RETURN_NONE;
-fail:
-    Py_XDECREF(ids);
-    if (bs != stack_b) {
-        PyMem_Free(bs);
-        PyMem_Free(rs);
-        PyMem_Free(isnew);
-    }
-    return NULL;
 }
 
 static int
@@ -434,7 +433,7 @@ Hot_free(Hot *h, PyObject *args)
     PyObject *seq, *loose, *fast = NULL;
     int slot;
     long long epoch;
-    int32_t stack_b[64], *bs = stack_b, *sorted = NULL;
+    int32_t stack_b[64], stack_s[64], *bs = stack_b, *sorted = NULL;
     Py_ssize_t n, i, freed = 0;
     int ok = 1;
 
@@ -474,39 +473,37 @@ Hot_free(Hot *h, PyObject *args)
         }
         bs[i] = (int32_t)v;
     }
-    if (!ok || enter(h, epoch, slot) < 0)
+    if (!ok)
         goto busy;
-    /* every id held loose as many times as listed (sorted copy for counts) */
-    sorted = PyMem_Malloc(n * sizeof(int32_t));
+    /* every id held loose as many times as listed (sorted copy for counts);
+     * before the lock: the map is this process's, and the epoch check below
+     * confirms that it is current */
+    sorted = n > 64 ? PyMem_Malloc(n * sizeof(int32_t)) : stack_s;
     if (!sorted) {
-        leave(h, 0);
         PyErr_NoMemory();
         goto fail;
     }
     memcpy(sorted, bs, n * sizeof(int32_t));
-    qsort(sorted, n, sizeof(int32_t), cmp_i32);
+    if (n > 1)
+        qsort(sorted, n, sizeof(int32_t), cmp_i32);
     for (i = 0; i < n && ok;) {
         Py_ssize_t j = i;
         PyObject *key, *lst;
         while (j < n && sorted[j] == sorted[i])
             j++;
         key = PyLong_FromLong(sorted[i]);
-        if (!key) {
-            leave(h, 0);
+        if (!key)
             goto fail;
-        }
         lst = PyDict_GetItemWithError(loose, key);
         Py_DECREF(key);
+        if (!lst && PyErr_Occurred())
+            goto fail;
         if (!lst || !PyList_CheckExact(lst) || PyList_GET_SIZE(lst) < j - i)
             ok = 0;
         i = j;
     }
-    if (!ok || PyErr_Occurred()) {
-        leave(h, 0);
-        if (PyErr_Occurred())
-            goto fail;
+    if (!ok || enter(h, epoch, slot) < 0)
         goto busy;
-    }
     {
         const int32_t HEAD = (int32_t)h->p[P_MAX_BLOCKS], TAIL = HEAD + 1;
         const uint16_t CACHED = (uint16_t)h->p[P_FLAG_CACHED];
@@ -587,7 +584,8 @@ Hot_free(Hot *h, PyObject *args)
         leave(h, 1);
     }
     Py_DECREF(fast);
-    PyMem_Free(sorted);
+    if (sorted != stack_s)
+        PyMem_Free(sorted);
     if (bs != stack_b)
         PyMem_Free(bs);
     if (!ok) {
@@ -598,13 +596,15 @@ Hot_free(Hot *h, PyObject *args)
     return PyLong_FromSsize_t(freed);
 busy:
     Py_DECREF(fast);
-    PyMem_Free(sorted);
+    if (sorted != stack_s)
+        PyMem_Free(sorted);
     if (bs != stack_b)
         PyMem_Free(bs);
     Py_RETURN_NONE;
 fail:
     Py_DECREF(fast);
-    PyMem_Free(sorted);
+    if (sorted != stack_s)
+        PyMem_Free(sorted);
     if (bs != stack_b)
         PyMem_Free(bs);
     return NULL;

@@ -331,7 +331,6 @@ def _log(msg: str) -> None:
 # ----------------------------------------------------------------- profile
 def profile(n_pair: int = 30000, n_batch: int = 1500, n_prefix: int = 203, top: int = 25) -> None:
     import cProfile
-    import fcntl
     import pstats
 
     from shmcache.views import SharedBlock
@@ -369,7 +368,7 @@ def profile(n_pair: int = 30000, n_batch: int = 1500, n_prefix: int = 203, top: 
         pstats.Stats(pr).strip_dirs().sort_stats("tottime").print_stats(top)
         # fixed costs of one locked call, without the profiler
         p = m._p
-        fd = p.fd
+        nat = p.native
 
         def t(fn, n=200_000):
             t0 = perf()
@@ -377,9 +376,9 @@ def profile(n_pair: int = 30000, n_batch: int = 1500, n_prefix: int = 203, top: 
                 fn()
             return (perf() - t0) / n * 1e6
 
-        def flock_pair():
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            fcntl.flock(fd, fcntl.LOCK_UN)
+        def mutex_pair():
+            nat.trylock()
+            nat.unlock()
 
         def with_lock():
             with p.lock:
@@ -392,7 +391,7 @@ def profile(n_pair: int = 30000, n_batch: int = 1500, n_prefix: int = 203, top: 
         b = m.allocate_block()
         bid = b.block_id
         print("\n==== fixed costs (us per call, no profiler)")
-        for label, fn in (("fcntl.flock LOCK_EX|NB + LOCK_UN", flock_pair),
+        for label, fn in ((f"pool mutex trylock + unlock ({type(nat).__name__})", mutex_pair),
                           ("with pool.lock: pass", with_lock),
                           ("with pool.lock: _sync()", with_lock_sync),
                           ("SharedBlock(mgr, id)", lambda: SharedBlock(m, bid)),

@@ -262,13 +262,10 @@ enter(Hot *h, long long epoch, int slot)
 static void
 leave(Hot *h, int changed)
 {
+    C(h, P_C_OPS) += 1;
     if (changed) {
         FENCE();
-        C(h, P_C_OPS) += 1;
         C(h, P_C_DIRTY) = 0;
-    }
-    else {
-        C(h, P_C_OPS) += 1;
     }
     pthread_mutex_unlock(h->mutex);
 }
@@ -430,7 +427,7 @@ cmp_i32(const void *a, const void *b)
 static PyObject *
 Hot_free(Hot *h, PyObject *args)
 {
-    PyObject *seq, *loose, *fast = NULL;
+    PyObject *seq, *loose, *fast = NULL, *result = NULL;
     int slot;
     long long epoch;
     int32_t stack_b[64], stack_s[64], *bs = stack_b, *sorted = NULL;
@@ -583,31 +580,23 @@ Hot_free(Hot *h, PyObject *args)
         SF(h, slot, P_S_COUNT) -= (int32_t)n;
         leave(h, 1);
     }
-    Py_DECREF(fast);
-    if (sorted != stack_s)
-        PyMem_Free(sorted);
-    if (bs != stack_b)
-        PyMem_Free(bs);
+    result = ok ? PyLong_FromSsize_t(freed) : NULL;
     if (!ok) {
         PyErr_Clear();
         PyErr_SetString(PyExc_MemoryError, "loose-reference map must be resynced");
-        return NULL;
     }
-    return PyLong_FromSsize_t(freed);
+    goto done;
 busy:
-    Py_DECREF(fast);
-    if (sorted != stack_s)
-        PyMem_Free(sorted);
-    if (bs != stack_b)
-        PyMem_Free(bs);
-    Py_RETURN_NONE;
+    result = Py_None;
+    Py_INCREF(result);
 fail:
+done:
     Py_DECREF(fast);
     if (sorted != stack_s)
         PyMem_Free(sorted);
     if (bs != stack_b)
         PyMem_Free(bs);
-    return NULL;
+    return result;
 }
 
 static PyMethodDef Hot_methods[] = {

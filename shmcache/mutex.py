@@ -39,17 +39,34 @@ except ImportError:     # not compiled here: the ctypes path below
 ACCELERATED = _hot is not None
 
 
+# The parameters of ``_hot.Hot``, in its ``P_*`` order.
+_P_NAMES = ("mutex_off", "counters_off",
+            "blocks_off", "block_size", "b_ref", "b_prev", "b_next", "b_flags", "b_tok", "b_last",
+            "refs_off", "ref_size", "r_block", "r_next",
+            "slots_off", "slot_size", "s_head", "s_count",
+            "max_blocks", "max_slots", "flag_cached",
+            "c_dirty", "c_num_free", "c_free_ref", "c_free_refs", "c_ops", "c_epoch", "c_holder")
+
+
+def _params(**kw) -> tuple:
+    return tuple(kw.pop(k, 0) for k in _P_NAMES)
+
+
 def hot_params(lay) -> tuple:
-    """The byte offsets ``_hot.Hot`` works with, in its ``P_*`` order."""
+    """The byte offsets ``_hot.Hot`` works with."""
     bf, rf, sf = L.BLOCK_DTYPE.fields, L.REF_DTYPE.fields, L.SLOT_DTYPE.fields
-    return (L.MUTEX_OFF, lay.counters_off,
-            lay.blocks_off, L.BLOCK_DTYPE.itemsize, bf["ref_count"][1], bf["prev"][1],
-            bf["next"][1], bf["flags"][1], bf["token_count"][1], bf["last_access"][1],
-            lay.refs_off, L.REF_DTYPE.itemsize, rf["block_id"][1], rf["next"][1],
-            lay.slots_off, L.SLOT_DTYPE.itemsize, sf["loose_head"][1], sf["loose_count"][1],
-            lay.max_blocks, lay.max_slots, L.FLAG_CACHED,
-            L.C_DIRTY, L.C_NUM_FREE, L.C_FREE_REF, L.C_FREE_REFS, L.C_OPS, L.C_EPOCH,
-            L.C_HOLDER)
+    return _params(
+        mutex_off=L.MUTEX_OFF, counters_off=lay.counters_off,
+        blocks_off=lay.blocks_off, block_size=L.BLOCK_DTYPE.itemsize,
+        b_ref=bf["ref_count"][1], b_prev=bf["prev"][1], b_next=bf["next"][1],
+        b_flags=bf["flags"][1], b_tok=bf["token_count"][1], b_last=bf["last_access"][1],
+        refs_off=lay.refs_off, ref_size=L.REF_DTYPE.itemsize,
+        r_block=rf["block_id"][1], r_next=rf["next"][1],
+        slots_off=lay.slots_off, slot_size=L.SLOT_DTYPE.itemsize,
+        s_head=sf["loose_head"][1], s_count=sf["loose_count"][1],
+        max_blocks=lay.max_blocks, max_slots=lay.max_slots, flag_cached=L.FLAG_CACHED,
+        c_dirty=L.C_DIRTY, c_num_free=L.C_NUM_FREE, c_free_ref=L.C_FREE_REF,
+        c_free_refs=L.C_FREE_REFS, c_ops=L.C_OPS, c_epoch=L.C_EPOCH, c_holder=L.C_HOLDER)
 
 
 def open_hot(mm, lay, created_at: float, accelerated: bool = ACCELERATED):
@@ -66,10 +83,9 @@ def open_mutex(mm):
     """Only the mutex (no fused operations), over a writable mapping of the
     segment's first ``MUTEX_MAP_SIZE`` bytes (the inspector's, the tests')."""
     if _hot is not None:
-        params = [0] * 28
-        params[0], params[1] = L.MUTEX_OFF, L.HEADER_SIZE
-        params[21], params[27] = L.C_DIRTY, L.C_HOLDER     # P_C_DIRTY, P_C_HOLDER
-        return _hot.Hot(mm, tuple(params))
+        # max_slots 0: the fused operations refuse every call
+        return _hot.Hot(mm, _params(mutex_off=L.MUTEX_OFF, counters_off=L.HEADER_SIZE,
+                                    c_dirty=L.C_DIRTY, c_holder=L.C_HOLDER))
     return CtypesMutex(mm)
 
 

@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py shmcache/_hot.c
+$(STAMP): pyproject.toml setup.py shmcache/_hot.c shmcache/_gather.c
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test]'
@@ -15,9 +15,9 @@ $(STAMP): pyproject.toml setup.py shmcache/_hot.c
 
 test: setup
 	$(BIN)/python -m pytest -q
-	# the fallback where the C accelerator is not built: same mutex, Python paths
+	# the fallback where the C accelerators are not built: same mutex, Python paths, numpy gather
 	SHMCACHE_PURE=1 $(BIN)/python -m pytest -q tests/test_mutex.py tests/test_recovery.py \
-		tests/test_paged_cache.py tests/test_lock.py
+		tests/test_paged_cache.py tests/test_lock.py tests/test_kv.py
 
 run: setup
 	$(BIN)/python -m workers.supervisor

@@ -3,15 +3,39 @@
 The arena is shaped (L, 2, H, max_blocks, T, D) (see ``layout``). A read
 gathers the requested blocks of one layer straight into the memory of a new
 MLX array: MLX cannot import CPU memory without a copy, so we allocate the
-MLX array first and let numpy ``take`` write into a zero-copy view of it.
-That one gather is the only copy. Writes go the other way: a zero-copy
-numpy view of the (evaluated) MLX array is assigned into the arena.
+MLX array first and gather into a zero-copy view of it, with the C gather
+(``shmcache._gather``) where it is built and numpy ``take`` where not. That
+one gather is the only copy. Writes go the other way: a zero-copy numpy view
+of the (evaluated) MLX array is assigned into the arena.
 """
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 import numpy as np
+
+from shmcache import mxbuf
+
+try:
+    if os.environ.get("SHMCACHE_PURE"):
+        raise ImportError("SHMCACHE_PURE is set")
+    from shmcache._gather import gather as _gather
+except ImportError:
+    _gather = None
+
+
+def _gather_threads() -> int:
+    env = os.environ.get("SHMCACHE_GATHER_THREADS")
+    if env is not None:
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError(f"SHMCACHE_GATHER_THREADS must be a positive int, got {env!r}")
+        return int(env)
+    return min(2, len(os.sched_getaffinity(0)))
+
+
+_THREADS = _gather_threads()
 
 _MX = {"float16": mx.float16, "float32": mx.float32, "bfloat16": mx.uint16}
 
@@ -64,6 +88,41 @@ def write(p, block_id: int, layer: int, keys, values, start: int = 0) -> None:
 
 
 _PAGE = 4096
+# Reads up to this many bytes (K and V) are staged: gathered into numpy memory
+# and copied into MLX by the array constructor, in this thread. Larger reads
+# are gathered straight into a new MLX buffer (``mxbuf.filled``), which
+# takes an evaluation.
+# NOTE: an evaluation hands work to MLX's stream thread and waits for it:
+# 50-150 us on the development VM when that thread has gone idle, about what
+# copying 2-4 MiB costs, so below that the second copy is the cheaper one.
+_STAGED_BYTES = 4 << 20
+
+
+def _place(base: int, srcs, nbytes: int):
+    # NOTE: each (head, block) chunk of the arena starts on a page, and a
+    # large buffer a few bytes past one; with the destination a few bytes off
+    # the source's page offset, the chunk copies ran about 5x slower (4K
+    # aliasing). So K and V are placed at their sources' page offsets, using
+    # the page of slack allocated for each.
+    ok = (srcs[0].ctypes.data - base) % _PAGE
+    return ok, ok + nbytes + (srcs[1].ctypes.data - (base + ok + nbytes)) % _PAGE
+
+
+def _gather_into(p, buf, srcs, ids, offs, threads: int) -> None:
+    H, n = p.layout.num_kv_heads, ids.size
+    if _gather is not None:
+        chunk = srcs[0].strides[1]
+        src_offs = np.array([s.ctypes.data + h * s.strides[0] for s in srcs for h in range(H)],
+                            dtype=np.int64) - p.arena.ctypes.data
+        dst_offs = np.array([o + h * n * chunk for o in offs for h in range(H)], dtype=np.int64)
+        _gather(buf, p.arena, ids, src_offs, dst_offs, chunk, threads)
+        return
+    nbytes = srcs[0][:, :1].nbytes * n
+    for s, o in zip(srcs, offs):
+        # NOTE: mode="clip" (ids are validated by the caller): with the
+        # default mode="raise" numpy buffers ``out`` and copies twice.
+        np.take(s, ids, axis=1, out=buf[o:o + nbytes].view(s.dtype).reshape(s.shape[0], n, *s.shape[2:]),
+                mode="clip")
 
 
 def read(p, block_ids, layer: int):
@@ -72,30 +131,24 @@ def read(p, block_ids, layer: int):
     H, n, T, D = lay.num_kv_heads, ids.size, lay.block_size, lay.head_dim
     nbytes = H * n * T * D * p.arena.itemsize
     srcs = (p.arena[layer, 0], p.arena[layer, 1])
-    # MLX has no uninitialised arrays, so the gather lands in a zeroed one:
-    # one byte buffer for K and V, zeroed as bytes (a plain memset, about
-    # twice as fast as a typed fill), then viewed in the final dtype.
-    raw = mx.zeros((2 * nbytes + 2 * _PAGE,), dtype=mx.uint8)
-    mx.eval(raw)
-    buf = _np_view(raw)
-    # NOTE: each (head, block) chunk of the arena starts on a page, and a
-    # large MLX buffer a few bytes past one; with the destination a few bytes
-    # off the source's page offset, the chunk copies ran about 5x slower
-    # (4K aliasing). So K and V are placed at their sources' page offsets,
-    # using the page of slack allocated for each.
-    base = buf.ctypes.data
-    ok = (srcs[0].ctypes.data - base) % _PAGE
-    ov = ok + nbytes + (srcs[1].ctypes.data - (base + ok + nbytes)) % _PAGE
-    for s, o in zip(srcs, (ok, ov)):
-        # NOTE: mode="clip" (ids are validated by the caller): with the
-        # default mode="raise" numpy buffers ``out`` and copies twice.
-        np.take(s, ids, axis=1, out=buf[o:o + nbytes].view(s.dtype).reshape(H, n, T, D),
-                mode="clip")
     dt = mx.bfloat16 if lay.dtype == "bfloat16" else _MX[lay.dtype]
+    if 2 * nbytes <= _STAGED_BYTES:
+        buf = np.empty(2 * nbytes + 2 * _PAGE, dtype=np.uint8)
+        offs = _place(buf.ctypes.data, srcs, nbytes)
+        _gather_into(p, buf, srcs, ids, offs, 1)
+        k, v = (mx.array(buf[o:o + nbytes].view(p.arena.dtype).reshape(H, n * T, D))
+                for o in offs)
+        return (k.view(dt), v.view(dt)) if lay.dtype == "bfloat16" else (k, v)
+    box = []
+
+    def fill(buf):
+        box.append(_place(buf.ctypes.data, srcs, nbytes))
+        _gather_into(p, buf, srcs, ids, box[-1], _THREADS)
+    raw = mxbuf.filled(2 * nbytes + 2 * _PAGE, fill)
     # Views of the one buffer (MLX copies nothing); holding either keeps both.
-    k, v = (raw[o:o + nbytes].view(dt).reshape(H, n * T, D) for o in (ok, ov))
-    mx.eval(k, v)
-    return k, v
+    # They are left unevaluated: whoever uses them evaluates them for free
+    # with the rest of their graph, which saves a second hand-off.
+    return tuple(raw[o:o + nbytes].view(dt).reshape(H, n * T, D) for o in box[-1])
 
 
 def copy_block(p, src: int, dst: int) -> None:

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import shmcache
+from shmcache import kv as kvmod
 
 H, D, T = 2, 8, 4            # num_kv_heads, head_dim, block_size
 MXDT = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -216,7 +217,10 @@ def test_default_pool_has_small_arena():
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_large_read_is_exact_aligned_and_independent(make_pool, dtype):
-    h, d, t, n = 4, 32, 32, 160
+    h, d, t = 4, 32, 32
+    # past the staged size, so the gather lands straight in MLX memory
+    itemsize = 4 if dtype == "float32" else 2
+    n = kvmod._STAGED_BYTES // (2 * h * t * d * itemsize) + 8
     m = make_pool(block_size=t, max_blocks=n + 40, num_layers=2, num_kv_heads=h,
                   head_dim=d, dtype=dtype)
     rng = np.random.default_rng(0)
@@ -238,3 +242,23 @@ def test_large_read_is_exact_aligned_and_independent(make_pool, dtype):
         assert np_of(x).ctypes.data % 4096 == m._p.arena[1, kv].ctypes.data % 4096
     m._p.arena[...] = 0                            # later writes do not show through
     assert np.array_equal(np_of(rk), want[0])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("staged", [True, False])
+def test_staged_and_direct_reads_agree(make_pool, monkeypatch, dtype, staged):
+    """Both ways of reading (staged through numpy, straight into MLX) give the
+    arena's bytes, in block order, independent of later writes."""
+    m = kv_pool(make_pool, dtype, layers=2)
+    rng = np.random.default_rng(3)
+    m._p.arena[...] = rng.integers(0, 1 << 14, m._p.arena.shape).astype(m._p.arena.dtype)
+    monkeypatch.setattr(kvmod, "_STAGED_BYTES", 1 << 30 if staged else 0)
+    ids = [9, 2, 2, 15, 0, 7]
+    want = [m._p.arena[1, i][:, ids].reshape(H, len(ids) * T, D).copy() for i in (0, 1)]
+    got = m.read_kv(ids, 1)
+    again = m.read_kv(ids, 1)
+    m._p.arena[...] = 0
+    for g, w in zip(got + again, want + want):
+        assert g.dtype == MXDT[dtype] and g.shape == (H, len(ids) * T, D)
+        raw = g.view(mx.uint16) if dtype == "bfloat16" else g
+        assert np.array_equal(np.array(raw), w)

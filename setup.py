@@ -1,18 +1,58 @@
-"""Build script for the optional C accelerators (everything else is in pyproject.toml).
+"""Build script for the optional native accelerators (everything else is in pyproject.toml).
 
 ``shmcache._hot`` holds the pool's robust mutex calls and the fused
-allocate/free paths; ``shmcache._gather`` the KV read's gather copy. Both are
-optional: where they cannot be compiled, the package installs without them and
-uses the same mutex through ctypes, the same operations in Python
-(``shmcache/fastpath.py``) and numpy's ``take`` for the gather, only slower.
+allocate/free paths; ``shmcache._gather`` the KV read's gather copy;
+``shmcache._mlxbuf`` (C++, against MLX's headers, with nanobind as MLX's own
+bindings are) makes the new MLX arrays that the gather writes into. All three
+are optional: where one cannot be compiled the package installs without it
+and uses the same mutex through ctypes, the same operations in Python
+(``shmcache/fastpath.py``), numpy's ``take`` for the gather, and MLX's Python
+API for the arrays (``shmcache/mxbuf.py``), only slower.
 """
+
+import os
+import sys
 
 from setuptools import Extension, setup
 
 _FLAGS = ["-O2", "-Wall"]
 
+
+def _mlxbuf():
+    # nanobind and MLX are build requirements (pyproject.toml); without them,
+    # or on a platform where we do not know how to link MLX, skip the module.
+    try:
+        import mlx
+        import mlx.core as mx
+        import nanobind
+    except Exception as e:                # not installed, or MLX cannot load here
+        print(f"shmcache: not building shmcache._mlxbuf ({e})", file=sys.stderr)
+        return []
+    if not sys.platform.startswith(("linux", "darwin")):
+        return []
+    root = list(mlx.__path__)[0]       # mlx is a namespace package: no __file__
+    nb = nanobind.source_dir()
+    link = []
+    if sys.platform == "darwin":
+        link = ["-Wl,-rpath,@loader_path/../mlx/lib", "-undefined", "dynamic_lookup"]
+    return [Extension(
+        "shmcache._mlxbuf",
+        ["shmcache/_mlxbuf.cpp", os.path.join(nb, "nb_combined.cpp")],
+        optional=True, language="c++",
+        include_dirs=[nanobind.include_dir(), os.path.join(nb, "..", "ext", "robin_map", "include"),
+                      os.path.join(root, "include")],
+        # NB_DOMAIN=mlx: share MLX's nanobind type registry, so that the
+        # arrays we return are mlx.core.array.
+        define_macros=[("NB_DOMAIN", "mlx"), ("NB_COMPACT_ASSERTIONS", None), ("NDEBUG", None),
+                       ("SHMCACHE_MLX_VERSION", mx.__version__)],
+        extra_compile_args=["-O2", "-std=c++20", "-fvisibility=hidden", "-fno-strict-aliasing"],
+        library_dirs=[os.path.join(root, "lib")], libraries=["mlx"], extra_link_args=link,
+    )]
+
+
 setup(ext_modules=[
     Extension("shmcache._hot", ["shmcache/_hot.c"], optional=True, extra_compile_args=_FLAGS),
     Extension("shmcache._gather", ["shmcache/_gather.c"], optional=True,
               extra_compile_args=_FLAGS + ["-pthread"], extra_link_args=["-pthread"]),
+    *_mlxbuf(),
 ])

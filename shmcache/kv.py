@@ -111,10 +111,10 @@ def _place(base: int, srcs, nbytes: int):
 def _gather_into(p, buf, srcs, ids, offs, threads: int) -> None:
     H, n = p.layout.num_kv_heads, ids.size
     if _gather is not None:
-        chunk = srcs[0].strides[1]
-        src_offs = np.array([s.ctypes.data + h * s.strides[0] for s in srcs for h in range(H)],
-                            dtype=np.int64) - p.arena.ctypes.data
-        dst_offs = np.array([o + h * n * chunk for o in offs for h in range(H)], dtype=np.int64)
+        chunk, hs = srcs[0].strides[1], np.arange(H, dtype=np.int64)
+        base = p.arena.ctypes.data
+        src_offs = (np.array([s.ctypes.data - base for s in srcs])[:, None] + hs * srcs[0].strides[0]).ravel()
+        dst_offs = (np.array(offs, dtype=np.int64)[:, None] + hs * (n * chunk)).ravel()
         _gather(buf, p.arena, ids, src_offs, dst_offs, chunk, threads)
         return
     nbytes = srcs[0][:, :1].nbytes * n
@@ -132,6 +132,14 @@ def read(p, block_ids, layer: int):
     nbytes = H * n * T * D * p.arena.itemsize
     srcs = (p.arena[layer, 0], p.arena[layer, 1])
     dt = mx.bfloat16 if lay.dtype == "bfloat16" else _MX[lay.dtype]
+    threads = 1 if 2 * nbytes <= _STAGED_BYTES else _THREADS
+    total = 2 * nbytes + 2 * _PAGE
+    if mxbuf.native is not None and total < 1 << 31:
+        base, addr = mxbuf.native.empty(total)
+        offs = _place(addr, srcs, nbytes)
+        _gather_into(p, np.array(base, copy=False), srcs, ids, offs, threads)
+        # Evaluated views of the one buffer: holding either keeps both.
+        return tuple(mxbuf.native.views(base, [H, n * T, D], dt, list(offs)))
     if 2 * nbytes <= _STAGED_BYTES:
         buf = np.empty(2 * nbytes + 2 * _PAGE, dtype=np.uint8)
         offs = _place(buf.ctypes.data, srcs, nbytes)
@@ -143,8 +151,8 @@ def read(p, block_ids, layer: int):
 
     def fill(buf):
         box.append(_place(buf.ctypes.data, srcs, nbytes))
-        _gather_into(p, buf, srcs, ids, box[-1], _THREADS)
-    raw = mxbuf.filled(2 * nbytes + 2 * _PAGE, fill)
+        _gather_into(p, buf, srcs, ids, box[-1], threads)
+    raw = mxbuf.filled(total, fill)
     # Views of the one buffer (MLX copies nothing); holding either keeps both.
     # They are left unevaluated: whoever uses them evaluates them for free
     # with the rest of their graph, which saves a second hand-off.

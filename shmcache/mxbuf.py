@@ -1,12 +1,19 @@
-"""New MLX buffers written in place by the caller, without MLX's zero fill.
+"""New MLX arrays written in place by the caller, without MLX's zero fill.
 
 MLX has no uninitialised arrays and cannot adopt CPU memory it did not
 allocate, so the obvious way to fill a new MLX array from our own code is
-``mx.zeros`` and writing into a numpy view of it: a full memset before the
-real write, about 0.5 ms for 16 MiB here. ``mx.load`` is the one public call
-that allocates an array and lets Python write its bytes: loading a ``.npy``
-stream hands the stream's ``readinto`` the new array's memory. ``filled``
-serves such a stream whose payload the caller's ``fill`` writes.
+``mx.zeros`` and writing into a numpy view of it: a full memset and a hand-off
+to MLX's stream thread before the real write. Two ways round that:
+
+- ``native`` (``shmcache._mlxbuf``, C++, where it was built against this very
+  MLX version and passes a self-check): ``native.empty(nbytes)`` makes an
+  evaluated, unwritten uint8 array in the calling thread, and
+  ``native.views(base, shape, dtype, offsets)`` evaluated typed views of it.
+  ``None`` where it is not usable (or ``SHMCACHE_PURE`` is set).
+- ``filled(nbytes, fill)``, with MLX's Python API only: ``mx.load`` is the one
+  public call that allocates an array and lets Python write its bytes, since
+  loading a ``.npy`` stream hands the stream's ``readinto`` the new array's
+  memory. ``filled`` serves such a stream whose payload ``fill`` writes.
 
 NOTE: only speed depends on how MLX reads the stream. When it asks for the
 whole payload in one ``readinto`` (MLX 0.32), ``fill`` writes straight into
@@ -18,6 +25,7 @@ the same bytes.
 
 from __future__ import annotations
 
+import os
 import struct
 from typing import Callable
 
@@ -26,6 +34,33 @@ import numpy as np
 
 Fill = Callable[[np.ndarray], None]
 _load_works = True
+
+
+def _load_native():
+    if os.environ.get("SHMCACHE_PURE"):
+        return None
+    try:
+        from shmcache import _mlxbuf
+    except ImportError:
+        return None
+    # NOTE: the module uses MLX's backend API, whose layout may change between
+    # versions: only the exact version it was compiled against is trusted,
+    # and only if a round trip gives back what was written.
+    if _mlxbuf.MLX_VERSION != mx.__version__:
+        return None
+    try:
+        base, addr = _mlxbuf.empty(64)
+        np.array(base, copy=False)[:] = np.arange(64, dtype=np.uint8)
+        (v,) = _mlxbuf.views(base, [2, 4], mx.float32, [32])
+        ok = (isinstance(v, mx.array) and v.shape == (2, 4) and v.dtype == mx.float32
+              and np.array(base, copy=False).ctypes.data == addr
+              and np.array(v).tobytes() == bytes(range(32, 64)))
+    except Exception:
+        return None
+    return _mlxbuf if ok else None
+
+
+native = _load_native()
 
 
 def _header(nbytes: int) -> bytes:

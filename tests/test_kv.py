@@ -8,6 +8,7 @@ import pytest
 
 import shmcache
 from shmcache import kv as kvmod
+from shmcache import mxbuf
 
 H, D, T = 2, 8, 4            # num_kv_heads, head_dim, block_size
 MXDT = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -215,8 +216,23 @@ def test_default_pool_has_small_arena():
         m.close()
 
 
+WAYS = ["native", "staged", "filled"]
+
+
+def use_way(monkeypatch, way):
+    """Force one of read()'s ways of making the MLX arrays."""
+    if way == "native":
+        if mxbuf.native is None:
+            pytest.skip("shmcache._mlxbuf is not usable here")
+    else:
+        monkeypatch.setattr(mxbuf, "native", None)
+        monkeypatch.setattr(kvmod, "_STAGED_BYTES", 1 << 30 if way == "staged" else 0)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
-def test_large_read_is_exact_aligned_and_independent(make_pool, dtype):
+@pytest.mark.parametrize("way", ["native", "filled"])
+def test_large_read_is_exact_aligned_and_independent(make_pool, monkeypatch, dtype, way):
+    use_way(monkeypatch, way)
     h, d, t = 4, 32, 32
     # past the staged size, so the gather lands straight in MLX memory
     itemsize = 4 if dtype == "float32" else 2
@@ -245,14 +261,15 @@ def test_large_read_is_exact_aligned_and_independent(make_pool, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
-@pytest.mark.parametrize("staged", [True, False])
-def test_staged_and_direct_reads_agree(make_pool, monkeypatch, dtype, staged):
-    """Both ways of reading (staged through numpy, straight into MLX) give the
-    arena's bytes, in block order, independent of later writes."""
+@pytest.mark.parametrize("way", WAYS)
+def test_every_way_of_reading_agrees(make_pool, monkeypatch, dtype, way):
+    """Each way of making the arrays (native, staged through numpy, straight
+    into an mx.load buffer) gives the arena's bytes, in block order,
+    independent of later writes."""
     m = kv_pool(make_pool, dtype, layers=2)
     rng = np.random.default_rng(3)
     m._p.arena[...] = rng.integers(0, 1 << 14, m._p.arena.shape).astype(m._p.arena.dtype)
-    monkeypatch.setattr(kvmod, "_STAGED_BYTES", 1 << 30 if staged else 0)
+    use_way(monkeypatch, way)
     ids = [9, 2, 2, 15, 0, 7]
     want = [m._p.arena[1, i][:, ids].reshape(H, len(ids) * T, D).copy() for i in (0, 1)]
     got = m.read_kv(ids, 1)
@@ -262,3 +279,11 @@ def test_staged_and_direct_reads_agree(make_pool, monkeypatch, dtype, staged):
         assert g.dtype == MXDT[dtype] and g.shape == (H, len(ids) * T, D)
         raw = g.view(mx.uint16) if dtype == "bfloat16" else g
         assert np.array_equal(np.array(raw), w)
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_empty_read(make_pool, monkeypatch, way):
+    use_way(monkeypatch, way)
+    m = kv_pool(make_pool, "float32")
+    k, v = m.read_kv([], 0)
+    assert k.shape == v.shape == (H, 0, D) and k.dtype == mx.float32

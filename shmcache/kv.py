@@ -11,6 +11,7 @@ of the (evaluated) MLX array is assigned into the arena.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import mlx.core as mx
@@ -108,14 +109,20 @@ def _place(base: int, srcs, nbytes: int):
     return ok, ok + nbytes + (srcs[1].ctypes.data - (base + ok + nbytes)) % _PAGE
 
 
+@functools.lru_cache(maxsize=64)
+def _heads(head_stride: int, H: int):
+    hs = np.arange(H, dtype=np.int64)
+    return hs * head_stride, hs
+
+
 def _gather_into(p, buf, srcs, ids, offs, threads: int) -> None:
     H, n = p.layout.num_kv_heads, ids.size
     if _gather is not None:
-        chunk, hs = srcs[0].strides[1], np.arange(H, dtype=np.int64)
-        base = p.arena.ctypes.data
-        src_offs = (np.array([s.ctypes.data - base for s in srcs])[:, None] + hs * srcs[0].strides[0]).ravel()
-        dst_offs = (np.array(offs, dtype=np.int64)[:, None] + hs * (n * chunk)).ravel()
-        _gather(buf, p.arena, ids, src_offs, dst_offs, chunk, threads)
+        chunk, (head_step, hs) = srcs[0].strides[1], _heads(srcs[0].strides[0], H)
+        src_offs = (np.array([s.__array_interface__["data"][0] for s in srcs], dtype=np.int64)
+                    - p.arena.__array_interface__["data"][0])[:, None] + head_step
+        dst_offs = np.array(offs, dtype=np.int64)[:, None] + hs * (n * chunk)
+        _gather(buf, p.arena, ids, src_offs.ravel(), dst_offs.ravel(), chunk, threads)
         return
     nbytes = srcs[0][:, :1].nbytes * n
     for s, o in zip(srcs, offs):

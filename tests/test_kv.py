@@ -182,13 +182,33 @@ def test_bad_start_raises(make_pool, start):
     assert np.array_equal(as_np(m.read_kv([b], 0)[0]), as_np(rand(1)))
 
 
-@pytest.mark.parametrize("bid", [-1, 16, 1000])
+@pytest.mark.parametrize("bid", [-1, 16, 1000, 1 << 70])
 def test_bad_block_id_raises(make_pool, bid):
     m = kv_pool(make_pool)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=f"block id {bid} out of range"):
         m.write_kv(bid, 0, rand(1), rand(2))
-    with pytest.raises(ValueError):
-        m.read_kv([1, bid], 0)
+    for ids in ([1, bid], (bid,), [np.int64(2), bid] if bid < 1 << 63 else [bid]):
+        with pytest.raises(ValueError, match=f"block id {bid} out of range"):
+            m.read_kv(ids, 0)
+
+
+@pytest.mark.parametrize("bad", [True, 1.0, "3", None])
+def test_read_rejects_non_int_ids(make_pool, bad):
+    m = kv_pool(make_pool)
+    with pytest.raises(TypeError, match="block id must be an int"):
+        m.read_kv([1, bad], 0)
+
+
+def test_read_takes_every_form_of_id_list(make_pool):
+    """Plain int lists (the vectorised check), tuples, numpy ints, blocks and
+    generators all read the same blocks."""
+    m = kv_pool(make_pool, "float32")
+    m._p.arena[...] = np.random.default_rng(5).standard_normal(m._p.arena.shape)
+    want = [np.array(x) for x in m.read_kv([3, 0, 15, 3], 1)]
+    for ids in ((3, 0, 15, 3), [np.int64(3), 0, np.int32(15), 3], iter([3, 0, 15, 3]),
+                np.array([3, 0, 15, 3])):
+        got = [np.array(x) for x in m.read_kv(ids, 1)]
+        assert all(np.array_equal(g, w) for g, w in zip(got, want))
 
 
 def test_pool_without_arena(make_pool):

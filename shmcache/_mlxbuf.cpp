@@ -20,7 +20,6 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
-#include <stdexcept>
 #include <string>
 
 #include "mlx/allocator.h"

@@ -163,20 +163,6 @@ class PoolOps:
                 out.append(self._bid(b))
         return out
 
-    def _bid_array(self, blocks) -> np.ndarray:
-        # NOTE: checking ids one by one costs ~0.3 us each, as much as copying
-        # a block in read_kv, so a plain list of ints is checked in one numpy
-        # pass; anything else (blocks, numpy ints, a bad id) goes through
-        # _bid, for its exact error.
-        if type(blocks) in (list, tuple) and all(type(b) is int for b in blocks):
-            try:
-                a = np.array(blocks, dtype=np.int64)
-            except OverflowError:
-                a = None
-            if a is not None and (a.size == 0 or (a.min() >= 0 and a.max() < self.max_blocks)):
-                return a
-        return np.array([self._bid(b) for b in blocks], dtype=np.int64)
-
     def _sync(self) -> None:
         # (the lock has checked that this manager is usable)
         if self._p.c[L.C_EPOCH] != self._epoch:

@@ -11,7 +11,6 @@ of the (evaluated) MLX array is assigned into the arena.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import mlx.core as mx
@@ -109,18 +108,12 @@ def _place(base: int, srcs, nbytes: int):
     return ok, ok + nbytes + (srcs[1].ctypes.data - (base + ok + nbytes)) % _PAGE
 
 
-@functools.lru_cache(maxsize=64)
-def _heads(head_stride: int, H: int):
-    hs = np.arange(H, dtype=np.int64)
-    return hs * head_stride, hs
-
-
 def _gather_into(p, buf, srcs, ids, offs, threads: int) -> None:
     H, n = p.layout.num_kv_heads, ids.size
     if _gather is not None:
-        chunk, (head_step, hs) = srcs[0].strides[1], _heads(srcs[0].strides[0], H)
-        src_offs = (np.array([s.__array_interface__["data"][0] for s in srcs], dtype=np.int64)
-                    - p.arena.__array_interface__["data"][0])[:, None] + head_step
+        chunk, hs = srcs[0].strides[1], np.arange(H, dtype=np.int64)
+        src_offs = (np.array([s.ctypes.data for s in srcs], dtype=np.int64)
+                    - p.arena.ctypes.data)[:, None] + hs * srcs[0].strides[0]
         dst_offs = np.array(offs, dtype=np.int64)[:, None] + hs * (n * chunk)
         _gather(buf, p.arena, ids, src_offs.ravel(), dst_offs.ravel(), chunk, threads)
         return
@@ -148,7 +141,7 @@ def read(p, block_ids, layer: int):
         # Evaluated views of the one buffer: holding either keeps both.
         return tuple(mxbuf.native.views(base, [H, n * T, D], dt, list(offs)))
     if 2 * nbytes <= _STAGED_BYTES:
-        buf = np.empty(2 * nbytes + 2 * _PAGE, dtype=np.uint8)
+        buf = np.empty(total, dtype=np.uint8)
         offs = _place(buf.ctypes.data, srcs, nbytes)
         _gather_into(p, buf, srcs, ids, offs, 1)
         k, v = (mx.array(buf[o:o + nbytes].view(p.arena.dtype).reshape(H, n * T, D))

@@ -365,7 +365,7 @@ class PagedCacheManager(TableOps, PrefixOps):
 
     def read_kv(self, block_ids, layer: int):
         """Gather blocks' K/V of one layer into MLX arrays (num_kv_heads, n*block_size, head_dim)."""
-        ids = self._bid_array(block_ids)
+        ids = self._bids(block_ids)
         kv.check_layer(self._p, layer)
         self._p.check_usable()
         return kv.read(self._p, ids, layer)

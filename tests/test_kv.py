@@ -200,7 +200,7 @@ def test_read_rejects_non_int_ids(make_pool, bad):
 
 
 def test_read_takes_every_form_of_id_list(make_pool):
-    """Plain int lists (the vectorised check), tuples, numpy ints, blocks and
+    """Plain int lists, tuples, numpy ints, numpy arrays and
     generators all read the same blocks."""
     m = kv_pool(make_pool, "float32")
     m._p.arena[...] = np.random.default_rng(5).standard_normal(m._p.arena.shape)

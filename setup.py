@@ -38,21 +38,22 @@ def _mlxbuf():
     return [Extension(
         "shmcache._mlxbuf",
         ["shmcache/_mlxbuf.cpp", os.path.join(nb, "nb_combined.cpp")],
-        optional=True, language="c++",
+        depends=["shmcache/_gather.h"], optional=True, language="c++",
         include_dirs=[nanobind.include_dir(), os.path.join(nb, "..", "ext", "robin_map", "include"),
                       os.path.join(root, "include")],
         # NB_DOMAIN=mlx: share MLX's nanobind type registry, so that the
         # arrays we return are mlx.core.array.
         define_macros=[("NB_DOMAIN", "mlx"), ("NB_COMPACT_ASSERTIONS", None), ("NDEBUG", None),
                        ("SHMCACHE_MLX_VERSION", mx.__version__)],
-        extra_compile_args=["-O2", "-std=c++20", "-fvisibility=hidden", "-fno-strict-aliasing"],
-        library_dirs=[os.path.join(root, "lib")], libraries=["mlx"], extra_link_args=link,
+        extra_compile_args=["-O2", "-std=c++20", "-fvisibility=hidden", "-fno-strict-aliasing",
+                            "-pthread"],
+        library_dirs=[os.path.join(root, "lib")], libraries=["mlx"], extra_link_args=link + ["-pthread"],
     )]
 
 
 setup(ext_modules=[
     Extension("shmcache._hot", ["shmcache/_hot.c"], optional=True, extra_compile_args=_FLAGS),
-    Extension("shmcache._gather", ["shmcache/_gather.c"], optional=True,
+    Extension("shmcache._gather", ["shmcache/_gather.c"], depends=["shmcache/_gather.h"], optional=True,
               extra_compile_args=_FLAGS + ["-pthread"], extra_link_args=["-pthread"]),
     *_mlxbuf(),
 ])

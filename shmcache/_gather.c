@@ -11,81 +11,13 @@
  * (ValueError otherwise, nothing written), and the copy runs with the GIL
  * released, split over `threads` threads (the caller's plus threads-1 new).
  *
- * NOTE: why not numpy's take: a 2-4 KiB chunk is too short for the hardware
- * prefetcher to ramp up on, and take copies chunk by chunk in one thread. We
- * prefetch the chunk PF_AHEAD places ahead, copy with 32-byte loads and stores
- * where the CPU has them, and use the second core: together about 2x take's
- * bandwidth on the 2-core development VM (tools/bench_workers).
+ * The copy itself (and why it is not numpy's take) is in _gather.h, which
+ * shmcache._mlxbuf's read_layer shares.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <pthread.h>
-#include <stdint.h>
-#include <string.h>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
 
-#define MAX_THREADS 8
-#define PF_AHEAD 2
-
-typedef struct {
-    char *dst;
-    const char *src;
-    const int64_t *ids, *src_offs, *dst_offs;
-    int64_t n, chunk, begin, end;   /* tasks [begin, end) of m*n */
-    int wide;
-} Job;
-
-#if defined(__x86_64__)
-__attribute__((target("avx2"))) static void
-copy_wide(char *d, const char *s, int64_t c)
-{
-    for (int64_t b = 0; b < c; b += 128) {
-        __m256i a0 = _mm256_loadu_si256((const __m256i *)(s + b));
-        __m256i a1 = _mm256_loadu_si256((const __m256i *)(s + b + 32));
-        __m256i a2 = _mm256_loadu_si256((const __m256i *)(s + b + 64));
-        __m256i a3 = _mm256_loadu_si256((const __m256i *)(s + b + 96));
-        _mm256_storeu_si256((__m256i *)(d + b), a0);
-        _mm256_storeu_si256((__m256i *)(d + b + 32), a1);
-        _mm256_storeu_si256((__m256i *)(d + b + 64), a2);
-        _mm256_storeu_si256((__m256i *)(d + b + 96), a3);
-    }
-}
-#endif
-
-static inline const char *
-src_of(const Job *j, int64_t t)
-{
-    return j->src + j->src_offs[t / j->n] + j->ids[t % j->n] * j->chunk;
-}
-
-static void
-run(const Job *j)
-{
-    for (int64_t t = j->begin; t < j->end; t++) {
-        if (t + PF_AHEAD < j->end) {
-            const char *p = src_of(j, t + PF_AHEAD);
-            for (int64_t b = 0; b < j->chunk; b += 64)
-                __builtin_prefetch(p + b, 0, 3);
-        }
-        char *d = j->dst + j->dst_offs[t / j->n] + (t % j->n) * j->chunk;
-#if defined(__x86_64__)
-        if (j->wide) {
-            copy_wide(d, src_of(j, t), j->chunk);
-            continue;
-        }
-#endif
-        memcpy(d, src_of(j, t), (size_t)j->chunk);
-    }
-}
-
-static void *
-run_thread(void *arg)
-{
-    run((const Job *)arg);
-    return NULL;
-}
+#include "_gather.h"
 
 static int
 get_i64(PyObject *o, Py_buffer *v, const char *what)
@@ -96,42 +28,6 @@ get_i64(PyObject *o, Py_buffer *v, const char *what)
         PyErr_Format(PyExc_TypeError, "%s must be a buffer of int64", what);
         PyBuffer_Release(v);
         return -1;
-    }
-    return 0;
-}
-
-static int
-check(Py_buffer *dst, Py_buffer *src, Py_buffer *ids, Py_buffer *so, Py_buffer *dof,
-      int64_t chunk)
-{
-    const int64_t *id = ids->buf, *s = so->buf, *d = dof->buf;
-    int64_t n = ids->len / 8, m = so->len / 8, lo = INT64_MAX, hi = -1;
-    if (chunk <= 0)
-        return PyErr_Format(PyExc_ValueError, "chunk must be positive, got %lld",
-                            (long long)chunk), -1;
-    if (dof->len != so->len)
-        return PyErr_Format(PyExc_ValueError, "%lld src_offsets but %lld dst_offsets",
-                            (long long)m, (long long)(dof->len / 8)), -1;
-    for (int64_t i = 0; i < n; i++) {
-        lo = id[i] < lo ? id[i] : lo;
-        hi = id[i] > hi ? id[i] : hi;
-    }
-    if (n && lo < 0)
-        return PyErr_Format(PyExc_ValueError, "negative id %lld", (long long)lo), -1;
-    for (int64_t j = 0; j < m; j++) {
-        int64_t end;
-        if (s[j] < 0 || (n && (__builtin_mul_overflow(hi + 1, chunk, &end) ||
-                               __builtin_add_overflow(end, s[j], &end) || end > src->len)))
-            return PyErr_Format(PyExc_ValueError,
-                                "src_offsets[%lld]=%lld with id %lld reads past the "
-                                "source (%zd bytes)", (long long)j, (long long)s[j],
-                                (long long)hi, src->len), -1;
-        if (d[j] < 0 || __builtin_mul_overflow(n, chunk, &end) ||
-            __builtin_add_overflow(end, d[j], &end) || end > dst->len)
-            return PyErr_Format(PyExc_ValueError,
-                                "dst_offsets[%lld]=%lld with %lld chunks writes past the "
-                                "destination (%zd bytes)", (long long)j, (long long)d[j],
-                                (long long)n, dst->len), -1;
     }
     return 0;
 }
@@ -154,33 +50,19 @@ gather(PyObject *self, PyObject *args)
     if (get_i64(ids_o, &ids, "ids") < 0 || get_i64(so_o, &so, "src_offsets") < 0 ||
         get_i64(do_o, &dof, "dst_offsets") < 0)
         goto done;
-    if (check(&dst, &src, &ids, &so, &dof, chunk) < 0)
+    if (dof.len != so.len) {
+        PyErr_Format(PyExc_ValueError, "%lld src_offsets but %lld dst_offsets",
+                     (long long)(so.len / 8), (long long)(dof.len / 8));
         goto done;
-
-    int64_t n = ids.len / 8, total = n * (so.len / 8);
-    threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
-    if (threads > total)
-        threads = total > 0 ? (int)total : 1;
-    int wide = 0;
-#if defined(__x86_64__)
-    wide = chunk % 128 == 0 && __builtin_cpu_supports("avx2");
-#endif
-    Job jobs[MAX_THREADS];
-    pthread_t tid[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    for (int k = 0; k < threads; k++)
-        jobs[k] = (Job){dst.buf, src.buf, ids.buf, so.buf, dof.buf, n, chunk,
-                        total * k / threads, total * (k + 1) / threads, wide};
-    Py_BEGIN_ALLOW_THREADS
-    for (int k = 1; k < threads; k++)
-        started[k] = pthread_create(&tid[k], NULL, run_thread, &jobs[k]) == 0;
-    run(&jobs[0]);
-    for (int k = 1; k < threads; k++) {
-        if (started[k])
-            pthread_join(tid[k], NULL);
-        else
-            run(&jobs[k]);   /* no thread to be had: do its share here */
     }
+    char msg[256];
+    int64_t n = ids.len / 8, m = so.len / 8;
+    if (gather_check(dst.len, src.len, ids.buf, n, so.buf, dof.buf, m, chunk, msg, sizeof msg)) {
+        PyErr_SetString(PyExc_ValueError, msg);
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    gather_copy(dst.buf, src.buf, ids.buf, n, so.buf, dof.buf, m, chunk, threads);
     Py_END_ALLOW_THREADS
     ret = Py_None;
     Py_INCREF(ret);

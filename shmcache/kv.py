@@ -32,12 +32,18 @@ def _gather_threads() -> int:
         if not env.isdigit() or int(env) < 1:
             raise ValueError(f"SHMCACHE_GATHER_THREADS must be a positive int, got {env!r}")
         return int(env)
+    # NOTE: two at most, and read() uses the second only for reads over
+    # _STAGED_BYTES: on the development VM (2 vCPUs) starting and waking it
+    # cost ~190 us, more than a 64-block read takes (43 us alone, 228 us with
+    # two threads), while a 512-block fp16 read went from 817 to 336 us
+    # (``python -m tools.profile_read_kv``; make bench shows both counts).
     return min(2, len(os.sched_getaffinity(0)))
 
 
 _THREADS = _gather_threads()
 
-_MX = {"float16": mx.float16, "float32": mx.float32, "bfloat16": mx.uint16}
+_MX = {"float16": mx.float16, "float32": mx.float32, "bfloat16": mx.uint16}   # storage
+_DT = {**_MX, "bfloat16": mx.bfloat16}                                          # as read
 
 
 def _np_view(a: mx.array) -> np.ndarray:
@@ -125,21 +131,32 @@ def _gather_into(p, buf, srcs, ids, offs, threads: int) -> None:
                 mode="clip")
 
 
+def read_fast(p, block_ids, layer: int):
+    """K and V in one native call, or None where that call does not apply.
+
+    None (nothing done) without the native module, when ``block_ids`` is not
+    a list or tuple of plain ints in range, or when the result would not fit
+    2 GiB; ``read`` (after the caller has checked the ids) then does it.
+    The caller has checked ``layer`` and that the pool is usable.
+    """
+    nat = mxbuf.native
+    if nat is None:
+        return None
+    return nat.read_layer(p.arena, block_ids, layer, _DT[p.layout.dtype], _THREADS, _STAGED_BYTES)
+
+
 def read(p, block_ids, layer: int):
+    out = read_fast(p, block_ids, layer)
+    if out is not None:
+        return out
     lay = p.layout
     ids = np.asarray(block_ids, dtype=np.int64)
     H, n, T, D = lay.num_kv_heads, ids.size, lay.block_size, lay.head_dim
     nbytes = H * n * T * D * p.arena.itemsize
     srcs = (p.arena[layer, 0], p.arena[layer, 1])
-    dt = mx.bfloat16 if lay.dtype == "bfloat16" else _MX[lay.dtype]
+    dt = _DT[lay.dtype]
     threads = 1 if 2 * nbytes <= _STAGED_BYTES else _THREADS
     total = 2 * nbytes + 2 * _PAGE
-    if mxbuf.native is not None and total < 1 << 31:
-        base, addr = mxbuf.native.empty(total)
-        offs = _place(addr, srcs, nbytes)
-        _gather_into(p, np.array(base, copy=False), srcs, ids, offs, threads)
-        # Evaluated views of the one buffer: holding either keeps both.
-        return tuple(mxbuf.native.views(base, [H, n * T, D], dt, list(offs)))
     if 2 * nbytes <= _STAGED_BYTES:
         buf = np.empty(total, dtype=np.uint8)
         offs = _place(buf.ctypes.data, srcs, nbytes)

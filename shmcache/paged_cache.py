@@ -365,10 +365,11 @@ class PagedCacheManager(TableOps, PrefixOps):
 
     def read_kv(self, block_ids, layer: int):
         """Gather blocks' K/V of one layer into MLX arrays (num_kv_heads, n*block_size, head_dim)."""
-        ids = self._bids(block_ids)
-        kv.check_layer(self._p, layer)
-        self._p.check_usable()
-        return kv.read(self._p, ids, layer)
+        p = self._p
+        kv.check_layer(p, layer)
+        p.check_usable()
+        out = kv.read_fast(p, block_ids, layer)    # plain int ids, where built
+        return out if out is not None else kv.read(p, self._bids(block_ids), layer)
 
     def check(self) -> List[str]:
         """Every violated invariant, one line each; empty when consistent."""

@@ -262,3 +262,112 @@ def test_native_is_refused_for_another_mlx_version(monkeypatch):
     monkeypatch.undo()
     monkeypatch.setenv("SHMCACHE_PURE", "1")
     assert mxbuf._load_native() is None
+
+
+# -- native read_layer: a whole KV read in one call ----------------------------
+
+STORAGE = {"float16": (np.float16, mx.float16), "float32": (np.float32, mx.float32),
+           "bfloat16": (np.uint16, mx.bfloat16)}
+
+
+def arena_of(shape=(3, 2, 3, 10, 4, 8), dtype="float16", seed=0, skew=0):
+    """A random C-contiguous arena whose first byte is `skew` bytes past a page."""
+    np_dt = STORAGE[dtype][0]
+    n = int(np.prod(shape)) * np.dtype(np_dt).itemsize
+    raw = np.empty(n + 2 * 4096, np.uint8)
+    start = (-raw.ctypes.data) % 4096 + skew
+    a = raw[start:start + n].view(np_dt).reshape(shape)
+    a[...] = np.random.default_rng(seed).integers(0, 1 << 14, shape).astype(np_dt)
+    return a
+
+
+def want_of(arena, ids, layer):
+    L, _, H, M, T, D = arena.shape
+    return [arena[layer, i][:, ids].reshape(H, len(ids) * T, D).copy() for i in (0, 1)]
+
+
+def raw_of(x: mx.array) -> np.ndarray:
+    return np.array(x.view(mx.uint16) if x.dtype == mx.bfloat16 else x, copy=False)
+
+
+@native
+@pytest.mark.parametrize("dtype", list(STORAGE))
+@pytest.mark.parametrize("layer", [0, 2])
+def test_native_read_layer_gathers_in_block_order(dtype, layer):
+    arena = arena_of(dtype=dtype)
+    ids = [9, 2, 2, 0, 7]
+    want = want_of(arena, ids, layer)
+    k, v = mxbuf.native.read_layer(arena, ids, layer, STORAGE[dtype][1], 1, 1 << 30)
+    for got, w in ((k, want[0]), (v, want[1])):
+        assert got.dtype == STORAGE[dtype][1] and got.shape == (3, 5 * 4, 8)
+        assert np.array_equal(raw_of(got), w)
+    arena[...] = 0                                   # a copy: later writes do not show
+    assert np.array_equal(raw_of(k), want[0]) and np.array_equal(raw_of(v), want[1])
+    # MLX computes on them like on any array
+    if dtype == "float32":
+        assert np.allclose(np.array((k[:, 4:] * 2).sum(axis=1)), 2 * want[0][:, 4:].sum(axis=1))
+
+
+@native
+@pytest.mark.parametrize("skew", [0, 64, 2052, 2])
+def test_native_read_layer_lands_at_the_sources_page_offsets(skew):
+    arena = arena_of(shape=(2, 2, 2, 16, 8, 16), dtype="float32", skew=skew)
+    ids = [15, 3, 8]
+    k, v = mxbuf.native.read_layer(arena, ids, 1, mx.float32, 1, 1 << 30)
+    for x, kv in ((k, 0), (v, 1)):
+        gap = (arena[1, kv].ctypes.data - as_np(x).ctypes.data) % 4096
+        # where the arena's items are not item-aligned, the nearest whole item before
+        assert gap == skew % 4
+    want = want_of(arena, ids, 1)
+    assert np.array_equal(as_np(k), want[0]) and np.array_equal(as_np(v), want[1])
+
+
+@native
+def test_native_read_layer_threads_agree():
+    arena = arena_of(shape=(1, 2, 4, 64, 4, 8), dtype="float32", seed=4)
+    ids = np.random.default_rng(1).permutation(64)[:50].tolist()
+    want = want_of(arena, ids, 0)
+    for threads in (1, 2, 3, 8, 50):
+        k, v = mxbuf.native.read_layer(arena, ids, 0, mx.float32, threads, 0)
+        assert np.array_equal(as_np(k), want[0]) and np.array_equal(as_np(v), want[1])
+
+
+@native
+def test_native_read_layer_keeps_its_buffer_alive():
+    arena = arena_of(dtype="float32")
+    want = want_of(arena, [1, 4], 0)
+    k, v = mxbuf.native.read_layer(arena, [1, 4], 0, mx.float32, 1, 1 << 30)
+    del k
+    gc.collect()
+    mxbuf.native.empty(4096 * 4)                     # would likely reuse a freed buffer
+    assert np.array_equal(as_np(v), want[1])
+
+
+@native
+def test_native_read_layer_of_no_blocks():
+    k, v = mxbuf.native.read_layer(arena_of(), [], 1, mx.float16, 1, 1 << 30)
+    assert k.shape == v.shape == (3, 0, 8) and k.dtype == mx.float16
+
+
+@native
+@pytest.mark.parametrize("ids", [np.array([1, 2]), iter([1, 2]), [1, np.int64(2)], [1, True],
+                                 [1, -1], [10], [1, 1 << 70], [1.0], ["1"], None, 3])
+def test_native_read_layer_declines_what_it_does_not_take(ids):
+    # None: the caller's own path checks such ids (and says what is wrong).
+    assert mxbuf.native.read_layer(arena_of(), ids, 0, mx.float16, 1, 1 << 30) is None
+
+
+@native
+def test_native_read_layer_rejects_a_bad_arena_layer_or_dtype():
+    a = arena_of()
+    with pytest.raises(ValueError, match="arena must be a C-contiguous"):
+        mxbuf.native.read_layer(a[0], [1], 0, mx.float16, 1, 1 << 30)
+    with pytest.raises(ValueError, match="arena must be a C-contiguous"):
+        mxbuf.native.read_layer(np.zeros((1, 3, 1, 4, 2, 2), np.float16), [1], 0, mx.float16, 1, 1 << 30)
+    with pytest.raises((ValueError, BufferError), match="contiguous"):
+        mxbuf.native.read_layer(a[..., ::2], [1], 0, mx.float16, 1, 1 << 30)
+    for layer in (-1, 3):
+        with pytest.raises(ValueError, match=rf"layer {layer} not in \[0, 3\)"):
+            mxbuf.native.read_layer(a, [1], layer, mx.float16, 1, 1 << 30)
+    with pytest.raises(ValueError, match="item size"):
+        mxbuf.native.read_layer(a, [1], 0, mx.float32, 1, 1 << 30)

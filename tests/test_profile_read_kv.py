@@ -10,13 +10,15 @@ from tools import profile_read_kv
 
 
 def test_profile_reports_every_piece_and_leaves_no_segment():
-    before = set(os.listdir("/dev/shm"))
+    before, native = set(os.listdir("/dev/shm")), mxbuf.native
     out = profile_read_kv.profile(3, "float32")
-    want = {"read_kv + eval", "ids to int64", "np.copyto, same bytes"}
+    want = {"read_kv + eval", "read_kv", "fallback: id check", "fallback: read + eval",
+            "np.copyto, same bytes"}
     if mxbuf.native is not None:
-        want |= {"native empty", "page placement", "gather (with offsets)", "native views"}
+        want |= {"native read_layer, 1 thread", "native read_layer, 2 threads"}
     if kvmod._gather is not None:
         want |= {"raw gather, shared arena", "raw gather, private copy"}
     assert set(out) == want
     assert all(v > 0 for v in out.values())
     assert set(os.listdir("/dev/shm")) <= before
+    assert mxbuf.native is native              # put back after timing the fallback

@@ -2,10 +2,11 @@
 
     python -m tools.profile_read_kv [--blocks 64 512] [--dtype float16 float32]
 
-For each size: the read evaluated, its pieces (id conversion, the new MLX
-buffer, page placement, the gather alone, the typed views), the raw C gather
-from the shared arena and from a private numpy copy of it (the difference is
-what the arena's 4 KiB pages cost), and np.copyto of the same bytes into a
+For each size: the read evaluated and not; where the native module is built,
+its one call (``read_layer``) alone, with one thread and with two; the fallback's pieces (the id check and
+the staged read); the raw C gather from the shared arena and from a private
+numpy copy of it (the difference is what shared memory costs), each into a
+buffer at the source's page offset; and np.copyto of the same bytes into a
 kept buffer. Medians of 301 calls, microseconds. Leaves nothing in /dev/shm.
 """
 
@@ -36,26 +37,27 @@ def profile(n: int, dtype: str, heads: int = 4, block_size: int = 32, head_dim: 
         ids = np.asarray(ids_l, dtype=np.int64)
         srcs = (p.arena[0, 0], p.arena[0, 1])
         nbytes = srcs[0][:, :1].nbytes * n
-        total = 2 * nbytes + 2 * kvmod._PAGE
         out = {"read_kv + eval": _median_us(lambda: mx.eval(*mgr.read_kv(ids_l, 0))),
-               "ids to int64": _median_us(lambda: np.asarray(ids_l, dtype=np.int64))}
+               "read_kv": _median_us(lambda: mgr.read_kv(ids_l, 0)),
+               "fallback: id check": _median_us(lambda: mgr._bids(ids_l))}
         if mxbuf.native is not None:
-            base, addr = mxbuf.native.empty(total)
-            offs = kvmod._place(addr, srcs, nbytes)
-            buf = np.array(base, copy=False)
-            dt = mx.bfloat16 if dtype == "bfloat16" else kvmod._MX[dtype]
-            out["native empty"] = _median_us(lambda: mxbuf.native.empty(total))
-            out["page placement"] = _median_us(lambda: kvmod._place(addr, srcs, nbytes))
-            out["gather (with offsets)"] = _median_us(
-                lambda: kvmod._gather_into(p, buf, srcs, ids, offs, 1))
-            out["native views"] = _median_us(
-                lambda: mxbuf.native.views(base, [heads, n * block_size, head_dim], dt, list(offs)))
+            dt = kvmod._DT[dtype]
+            for t in (1, 2):
+                out[f"native read_layer, {t} thread{'s' * (t > 1)}"] = _median_us(
+                    lambda: mx.eval(*mxbuf.native.read_layer(p.arena, ids_l, 0, dt, t, 0)))
+        native, mxbuf.native = mxbuf.native, None
+        try:
+            out["fallback: read + eval"] = _median_us(lambda: mx.eval(*kvmod.read(p, ids_l, 0)))
+        finally:
+            mxbuf.native = native
         if kvmod._gather is not None:
             chunk = srcs[0].strides[1]
             so = np.array([s[h].ctypes.data - p.arena.ctypes.data for s in srcs for h in range(heads)],
                           dtype=np.int64)
+            raw = np.empty(2 * nbytes + kvmod._PAGE, np.uint8)
+            at = (srcs[0].ctypes.data - raw.ctypes.data) % kvmod._PAGE
+            dst = raw[at:at + 2 * nbytes]          # at the source's page offset (see kv._place)
             do = np.arange(2 * heads, dtype=np.int64) * n * chunk
-            dst = np.empty(2 * nbytes, np.uint8)
             private = p.arena.copy()
             out["raw gather, shared arena"] = _median_us(
                 lambda: kvmod._gather(dst, p.arena, ids, so, do, chunk, 1))
@@ -74,7 +76,7 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", nargs="+", default=["float16", "float32"],
                     choices=["float16", "bfloat16", "float32"])
     a = ap.parse_args(argv)
-    print(f"native arrays: {'yes' if mxbuf.native is not None else 'no'}; "
+    print(f"native read: {'yes' if mxbuf.native is not None else 'no'}; "
           f"C gather: {'yes' if kvmod._gather is not None else 'no'}")
     for dtype in a.dtype:
         for n in a.blocks:

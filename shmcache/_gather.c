@@ -1,11 +1,11 @@
 /* shmcache._gather: the KV read's one copy, from scattered arena chunks into
  * one destination buffer, in C.
  *
- * gather(dst, src, ids, src_offsets, dst_offsets, chunk, threads) copies, for
- * every j and every i, the `chunk` bytes at src + src_offsets[j] + ids[i]*chunk
- * to dst + dst_offsets[j] + i*chunk. In the arena (see layout) one layer's K
- * (or V) of one head is max_blocks chunks of block_size*head_dim items, so j
- * runs over (K|V, head) and i over the requested blocks.
+ * gather(dst, src, ids, src_offsets, dst_offsets, chunk, threads[, stride])
+ * copies, for every i and every j, the `chunk` bytes at
+ * src + src_offsets[j] + ids[i]*stride (stride defaults to chunk) to
+ * dst + dst_offsets[j] + i*chunk. In the arena (see layout) i runs over the
+ * requested blocks and j over (K|V, head) of one layer.
  *
  * Every offset is checked against both buffers before anything is copied
  * (ValueError otherwise, nothing written), and the copy runs with the GIL
@@ -36,13 +36,15 @@ static PyObject *
 gather(PyObject *self, PyObject *args)
 {
     PyObject *dst_o, *src_o, *ids_o, *so_o, *do_o;
-    long long chunk;
+    long long chunk, stride = -1;
     int threads;
     Py_buffer dst = {0}, src = {0}, ids = {0}, so = {0}, dof = {0};
     PyObject *ret = NULL;
-    if (!PyArg_ParseTuple(args, "OOOOOLi", &dst_o, &src_o, &ids_o, &so_o, &do_o, &chunk,
-                          &threads))
+    if (!PyArg_ParseTuple(args, "OOOOOLi|L", &dst_o, &src_o, &ids_o, &so_o, &do_o, &chunk,
+                          &threads, &stride))
         return NULL;
+    if (PyTuple_GET_SIZE(args) < 8)
+        stride = chunk;
     if (PyObject_GetBuffer(dst_o, &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
         goto done;
     if (PyObject_GetBuffer(src_o, &src, PyBUF_C_CONTIGUOUS) < 0)
@@ -57,12 +59,13 @@ gather(PyObject *self, PyObject *args)
     }
     char msg[256];
     int64_t n = ids.len / 8, m = so.len / 8;
-    if (gather_check(dst.len, src.len, ids.buf, n, so.buf, dof.buf, m, chunk, msg, sizeof msg)) {
+    if (gather_check(dst.len, src.len, ids.buf, n, stride, so.buf, dof.buf, m, chunk, msg,
+                     sizeof msg)) {
         PyErr_SetString(PyExc_ValueError, msg);
         goto done;
     }
     Py_BEGIN_ALLOW_THREADS
-    gather_copy(dst.buf, src.buf, ids.buf, n, so.buf, dof.buf, m, chunk, threads);
+    gather_copy(dst.buf, src.buf, ids.buf, n, stride, so.buf, dof.buf, m, chunk, threads);
     Py_END_ALLOW_THREADS
     ret = Py_None;
     Py_INCREF(ret);
@@ -77,7 +80,7 @@ done:
 
 static PyMethodDef methods[] = {
     {"gather", gather, METH_VARARGS,
-     "gather(dst, src, ids, src_offsets, dst_offsets, chunk, threads) -> None"},
+     "gather(dst, src, ids, src_offsets, dst_offsets, chunk, threads[, stride]) -> None"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -9,7 +9,7 @@
 //     buffer (each holds it alive; nothing is copied).
 // read_layer(arena, ids, layer, dtype, threads, threads_above) -> (k, v) | None:
 //     one layer's K and V of the blocks `ids` from the pool's arena (a
-//     C-contiguous (L, 2, H, max_blocks, T, D) buffer, see layout), each an
+//     C-contiguous (L, max_blocks, 2, H, T, D) buffer, see layout), each an
 //     evaluated (H, len(ids)*T, D) array of `dtype`, gathered straight into
 //     one new buffer (see _gather.h) with the GIL released, on `threads`
 //     threads when K and V exceed `threads_above` bytes, else one. None
@@ -109,9 +109,9 @@ static nb::object read_layer(nb::handle arena, nb::handle ids, int layer, mx::Dt
   Buffer a;
   if (PyObject_GetBuffer(arena.ptr(), &a.v, PyBUF_C_CONTIGUOUS) < 0)
     throw nb::python_error();
-  if (a.v.ndim != 6 || a.v.shape[1] != 2)
-    throw nb::value_error("arena must be a C-contiguous (L, 2, H, max_blocks, T, D) buffer");
-  const int64_t L = a.v.shape[0], H = a.v.shape[2], M = a.v.shape[3], T = a.v.shape[4],
+  if (a.v.ndim != 6 || a.v.shape[2] != 2)
+    throw nb::value_error("arena must be a C-contiguous (L, max_blocks, 2, H, T, D) buffer");
+  const int64_t L = a.v.shape[0], M = a.v.shape[1], H = a.v.shape[3], T = a.v.shape[4],
                 D = a.v.shape[5], isz = a.v.itemsize;
   if (layer < 0 || layer >= L)
     throw nb::value_error(("layer " + std::to_string(layer) + " not in [0, " + std::to_string(L) + ")").c_str());
@@ -132,7 +132,8 @@ static nb::object read_layer(nb::handle arena, nb::handle ids, int layer, mx::Dt
       return nb::none();
     id[static_cast<size_t>(i)] = b;
   }
-  const int64_t chunk = T * D * isz, nbytes = H * n * chunk, total = 2 * nbytes + 2 * kPage;
+  const int64_t chunk = T * D * isz, stride = 2 * H * chunk, nbytes = H * n * chunk,
+                total = 2 * nbytes + 2 * kPage;
   if (total > INT32_MAX)
     return nb::none();
   mx::array base(mx::allocator::malloc(total), mx::Shape{static_cast<int>(total)}, mx::uint8);
@@ -144,22 +145,22 @@ static nb::object read_layer(nb::handle arena, nb::handle ids, int layer, mx::Dt
   std::vector<int64_t> so(2 * H), dof(2 * H);
   int64_t at = 0;
   for (int64_t kv = 0; kv < 2; kv++) {
-    const int64_t first = ((layer * 2 + kv) * H) * M * chunk;
+    const int64_t first = layer * M * stride + kv * H * chunk;
     const int64_t skip = mod_page(reinterpret_cast<intptr_t>(src) + first - (reinterpret_cast<intptr_t>(dst) + at));
     at += skip - skip % isz;    // the views need whole items (an odd arena gets near, not equal)
     for (int64_t h = 0; h < H; h++) {
-      so[kv * H + h] = first + h * M * chunk;
+      so[kv * H + h] = first + h * chunk;
       dof[kv * H + h] = at + h * n * chunk;
     }
     at += nbytes;
   }
   char msg[256];
-  if (gather_check(total, static_cast<int64_t>(a.v.len), id.data(), n, so.data(), dof.data(), 2 * H,
-                   chunk, msg, sizeof msg))
+  if (gather_check(total, static_cast<int64_t>(a.v.len), id.data(), n, stride, so.data(), dof.data(),
+                   2 * H, chunk, msg, sizeof msg))
     throw nb::value_error(msg);   // cannot happen: the offsets are made above
   {
     nb::gil_scoped_release nogil;
-    gather_copy(dst, src, id.data(), n, so.data(), dof.data(), 2 * H, chunk,
+    gather_copy(dst, src, id.data(), n, stride, so.data(), dof.data(), 2 * H, chunk,
                 2 * nbytes > threads_above ? threads : 1);
   }
   mx::Shape sh{static_cast<int>(H), static_cast<int>(n * T), static_cast<int>(D)};

@@ -1,6 +1,6 @@
 """KV payload reads and writes between the shared arena and MLX arrays.
 
-The arena is shaped (L, 2, H, max_blocks, T, D) (see ``layout``). A read
+The arena is shaped (L, max_blocks, 2, H, T, D) (see ``layout``). A read
 gathers the requested blocks of one layer straight into the memory of a new
 MLX array: MLX cannot import CPU memory without a copy, so we allocate the
 MLX array first and gather into a zero-copy view of it, with the C gather
@@ -89,8 +89,8 @@ def write(p, block_id: int, layer: int, keys, values, start: int = 0) -> None:
     t = k.shape[1]
     if isinstance(start, bool) or not isinstance(start, int) or start < 0 or start + t > lay.block_size:
         raise ValueError(f"start={start!r} with {t} tokens does not fit a block of {lay.block_size}")
-    p.arena[layer, 0, :, block_id, start:start + t, :] = k
-    p.arena[layer, 1, :, block_id, start:start + t, :] = v
+    p.arena[layer, block_id, 0, :, start:start + t, :] = k
+    p.arena[layer, block_id, 1, :, start:start + t, :] = v
 
 
 _PAGE = 4096
@@ -105,8 +105,8 @@ _STAGED_BYTES = 4 << 20
 
 
 def _place(base: int, srcs, nbytes: int):
-    # NOTE: each (head, block) chunk of the arena starts on a page, and a
-    # large buffer a few bytes past one; with the destination a few bytes off
+    # NOTE: each block's run in the arena starts on a page, and a large
+    # buffer a few bytes past one; with the destination a few bytes off
     # the source's page offset, the chunk copies ran about 5x slower (4K
     # aliasing). So K and V are placed at their sources' page offsets, using
     # the page of slack allocated for each.
@@ -116,19 +116,21 @@ def _place(base: int, srcs, nbytes: int):
 
 def _gather_into(p, buf, srcs, ids, offs, threads: int) -> None:
     H, n = p.layout.num_kv_heads, ids.size
+    # srcs: one layer's K and V, each (max_blocks, H, T, D), block stride 2*H chunks
+    chunk, stride = srcs[0].strides[1], srcs[0].strides[0]
     if _gather is not None:
-        chunk, hs = srcs[0].strides[1], np.arange(H, dtype=np.int64)
+        hs = np.arange(H, dtype=np.int64)
         src_offs = (np.array([s.ctypes.data for s in srcs], dtype=np.int64)
-                    - p.arena.ctypes.data)[:, None] + hs * srcs[0].strides[0]
+                    - p.arena.ctypes.data)[:, None] + hs * chunk
         dst_offs = np.array(offs, dtype=np.int64)[:, None] + hs * (n * chunk)
-        _gather(buf, p.arena, ids, src_offs.ravel(), dst_offs.ravel(), chunk, threads)
+        _gather(buf, p.arena, ids, src_offs.ravel(), dst_offs.ravel(), chunk, threads, stride)
         return
-    nbytes = srcs[0][:, :1].nbytes * n
+    nbytes = H * n * chunk
     for s, o in zip(srcs, offs):
+        out = buf[o:o + nbytes].view(s.dtype).reshape(H, n, *s.shape[2:]).transpose(1, 0, 2, 3)
         # NOTE: mode="clip" (ids are validated by the caller): with the
         # default mode="raise" numpy buffers ``out`` and copies twice.
-        np.take(s, ids, axis=1, out=buf[o:o + nbytes].view(s.dtype).reshape(s.shape[0], n, *s.shape[2:]),
-                mode="clip")
+        np.take(s, ids, axis=0, out=out, mode="clip")
 
 
 def read_fast(p, block_ids, layer: int):
@@ -153,7 +155,7 @@ def read(p, block_ids, layer: int):
     ids = np.asarray(block_ids, dtype=np.int64)
     H, n, T, D = lay.num_kv_heads, ids.size, lay.block_size, lay.head_dim
     nbytes = H * n * T * D * p.arena.itemsize
-    srcs = (p.arena[layer, 0], p.arena[layer, 1])
+    srcs = (p.arena[layer, :, 0], p.arena[layer, :, 1])
     dt = _DT[lay.dtype]
     threads = 1 if 2 * nbytes <= _STAGED_BYTES else _THREADS
     total = 2 * nbytes + 2 * _PAGE
@@ -178,4 +180,4 @@ def read(p, block_ids, layer: int):
 
 def copy_block(p, src: int, dst: int) -> None:
     if p.arena is not None:
-        p.arena[:, :, :, dst] = p.arena[:, :, :, src]
+        p.arena[:, dst] = p.arena[:, src]

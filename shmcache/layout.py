@@ -26,9 +26,10 @@ integers are little-endian; every section starts on a 64-byte boundary.
     arena_off         num_layers * 2 * num_kv_heads * max_blocks
                         * block_size * head_dim * itemsize
                                                 KV payload, shaped
-                                                (L, 2, H, max_blocks, T, D):
-                                                one layer's K (or V) for all
-                                                blocks is contiguous per head
+                                                (L, max_blocks, 2, H, T, D):
+                                                one block's K and V of all
+                                                heads in one layer are one
+                                                contiguous run
 
 Inside the header page:
 
@@ -53,7 +54,7 @@ from dataclasses import dataclass
 import numpy as np
 
 MAGIC = b"SHMCACH1"
-LAYOUT_VERSION = 4
+LAYOUT_VERSION = 5
 HEADER_SIZE = 4096
 COUNTERS_SIZE = 512
 MUTEX_OFF = 1024             # inside the header, past HEADER_DTYPE
@@ -193,7 +194,7 @@ class Layout:
 
     @property
     def arena_shape(self) -> tuple:
-        return (self.num_layers, 2, self.num_kv_heads, self.max_blocks,
+        return (self.num_layers, self.max_blocks, 2, self.num_kv_heads,
                 self.block_size, self.head_dim)
 
 

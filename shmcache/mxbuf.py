@@ -53,14 +53,14 @@ def _load_native():
         base, addr = _mlxbuf.empty(64)
         np.array(base, copy=False)[:] = np.arange(64, dtype=np.uint8)
         (v,) = _mlxbuf.views(base, [2, 4], mx.float32, [32])
-        arena = np.arange(24, dtype=np.float32).reshape(1, 2, 1, 3, 2, 2)
+        arena = np.arange(24, dtype=np.float32).reshape(1, 3, 2, 1, 2, 2)   # (L, M, 2, H, T, D)
         k, kv_v = _mlxbuf.read_layer(arena, [2, 0], 0, mx.float32, 1, 1 << 30)
         ok = (isinstance(v, mx.array) and v.shape == (2, 4) and v.dtype == mx.float32
               and np.array(base, copy=False).ctypes.data == addr
               and np.array(v).tobytes() == bytes(range(32, 64))
               and k.shape == (1, 4, 2)
-              and np.array_equal(np.array(k), arena[0, 0][:, [2, 0]].reshape(1, 4, 2))
-              and np.array_equal(np.array(kv_v), arena[0, 1][:, [2, 0]].reshape(1, 4, 2)))
+              and np.array_equal(np.array(k), arena[0, [2, 0], 0].transpose(1, 0, 2, 3).reshape(1, 4, 2))
+              and np.array_equal(np.array(kv_v), arena[0, [2, 0], 1].transpose(1, 0, 2, 3).reshape(1, 4, 2)))
     except Exception:
         return None
     return _mlxbuf if ok else None

@@ -95,4 +95,12 @@ def kv_data(m, seed: int, tokens: int = BS):
 
 
 def payload(m, b: int) -> bytes:
-    return m._p.arena[:, :, :, b].tobytes()
+    return m._p.arena[:, b].tobytes()
+
+
+def layer_kv(arena, ids, layer: int) -> list:
+    """What a read of blocks `ids` of `layer` must give: [K, V], each
+    (H, len(ids)*T, D), from an (L, max_blocks, 2, H, T, D) arena."""
+    H, T, D = arena.shape[3:]
+    return [arena[layer, list(ids), kv].transpose(1, 0, 2, 3).reshape(H, len(ids) * T, D).copy()
+            for kv in (0, 1)]

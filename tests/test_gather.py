@@ -22,15 +22,16 @@ def I64(*xs) -> np.ndarray:
     return np.array(xs, dtype=np.int64)
 
 
-def reference(dst, src, ids, src_offs, dst_offs, chunk) -> None:
+def reference(dst, src, ids, src_offs, dst_offs, chunk, stride=None) -> None:
     """The contract, as a plain loop over numpy byte views."""
     d, s = np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8)
+    stride = chunk if stride is None else stride
     for so, do in zip(src_offs, dst_offs):
         for i, b in enumerate(ids):
-            d[do + i * chunk:do + (i + 1) * chunk] = s[so + b * chunk:so + (b + 1) * chunk]
+            d[do + i * chunk:do + (i + 1) * chunk] = s[so + b * stride:so + b * stride + chunk]
 
 
-def make_case(rng, chunk, n_ids, m, nsrc=6):
+def make_case(rng, chunk, n_ids, m, nsrc=6, stride=None):
     """Random src, ids (with repeats) and m source/destination regions.
 
     Destination regions get random gaps (so offsets are unaligned and bytes
@@ -39,7 +40,8 @@ def make_case(rng, chunk, n_ids, m, nsrc=6):
     result.
     """
     src_offs = rng.integers(0, 300, m)
-    src = rng.integers(0, 256, int(src_offs.max(initial=0)) + nsrc * chunk + rng.integers(0, 9),
+    span = (nsrc - 1) * (chunk if stride is None else stride) + chunk
+    src = rng.integers(0, 256, int(src_offs.max(initial=0)) + span + rng.integers(0, 9),
                        dtype=np.uint8).tobytes()
     ids = rng.integers(0, nsrc, n_ids).astype(np.int64)
     size, starts = n_ids * chunk, []
@@ -52,11 +54,11 @@ def make_case(rng, chunk, n_ids, m, nsrc=6):
     return dst, src, ids, src_offs.astype(np.int64), dst_offs
 
 
-def check_against_reference(seed, chunk, n_ids, m, threads):
-    dst, src, ids, so, do = make_case(np.random.default_rng(seed), chunk, n_ids, m)
+def check_against_reference(seed, chunk, n_ids, m, threads, stride=None):
+    dst, src, ids, so, do = make_case(np.random.default_rng(seed), chunk, n_ids, m, stride=stride)
     want = dst.copy()
-    reference(want, src, ids, so, do, chunk)
-    gather(dst, src, ids, so, do, chunk, threads)
+    reference(want, src, ids, so, do, chunk, stride)
+    gather(dst, src, ids, so, do, chunk, threads, *([] if stride is None else [stride]))
     # Whole-buffer equality: also checks every byte outside the chunks.
     assert dst.tobytes() == want.tobytes()
 
@@ -71,6 +73,24 @@ CHUNKS = [1, 3, 64, 100, 127, 128, 256, 384, 1000, 4096]
        threads=st.sampled_from([-3, 0, 1, 2, 3, 8, 9, 1000]))
 def test_matches_reference(seed, chunk, n_ids, m, threads):
     check_against_reference(seed, chunk, n_ids, m, threads)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), chunk=st.sampled_from(CHUNKS),
+       n_ids=st.integers(0, 12), m=st.integers(0, 9), threads=st.sampled_from([1, 2, 3]),
+       stride_in_chunks=st.sampled_from([0, 1, 2, 8]), extra=st.integers(0, 70))
+def test_matches_reference_with_a_block_stride(seed, chunk, n_ids, m, threads,
+                                               stride_in_chunks, extra):
+    # The arena's way: ids step a whole block (2*H chunks), regions are (K|V, head).
+    check_against_reference(seed, chunk, n_ids, m, threads, stride_in_chunks * chunk + extra)
+
+
+def test_stride_picks_runs_of_chunks():
+    # 3 blocks of 2 chunks of 4 bytes: block b's chunk j is at b*8 + j*4.
+    src = bytes(range(24))
+    dst = bytearray(16)
+    gather(dst, src, I64(2, 0), I64(0, 4), I64(0, 8), 4, 1, 8)
+    assert bytes(dst) == bytes([16, 17, 18, 19, 0, 1, 2, 3, 20, 21, 22, 23, 4, 5, 6, 7])
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 8, 64])
@@ -138,6 +158,8 @@ BAD = {
     "length mismatch (more dst)": (_args(src_offsets=I64(0)), ValueError, "1 src_offsets but 2 dst_offsets"),
     "chunk zero": (_args(chunk=0), ValueError, "chunk must be positive, got 0"),
     "chunk negative": (_args(chunk=-8), ValueError, "chunk must be positive"),
+    "stride negative": (_args(stride=-8), ValueError, "stride must not be negative, got -8"),
+    "stride reads past": (_args(stride=9), ValueError, r"src_offsets\[0\]=0 with id 3 reads past"),
     "int32 ids": (_args(ids=np.array([3, 0], np.int32)), TypeError, "ids must be a buffer of int64"),
     "float ids": (_args(ids=np.array([3.0, 0.0])), TypeError, "ids must be"),
     "int32 src_offsets": (_args(src_offsets=np.zeros(2, np.int32)), TypeError, "src_offsets must be"),

@@ -11,6 +11,8 @@ import pytest
 
 from shmcache import mxbuf
 
+from _helpers import layer_kv
+
 
 def payload(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed + n).integers(0, 256, n, dtype=np.uint8)
@@ -270,7 +272,7 @@ STORAGE = {"float16": (np.float16, mx.float16), "float32": (np.float32, mx.float
            "bfloat16": (np.uint16, mx.bfloat16)}
 
 
-def arena_of(shape=(3, 2, 3, 10, 4, 8), dtype="float16", seed=0, skew=0):
+def arena_of(shape=(3, 10, 2, 3, 4, 8), dtype="float16", seed=0, skew=0):
     """A random C-contiguous arena whose first byte is `skew` bytes past a page."""
     np_dt = STORAGE[dtype][0]
     n = int(np.prod(shape)) * np.dtype(np_dt).itemsize
@@ -279,11 +281,6 @@ def arena_of(shape=(3, 2, 3, 10, 4, 8), dtype="float16", seed=0, skew=0):
     a = raw[start:start + n].view(np_dt).reshape(shape)
     a[...] = np.random.default_rng(seed).integers(0, 1 << 14, shape).astype(np_dt)
     return a
-
-
-def want_of(arena, ids, layer):
-    L, _, H, M, T, D = arena.shape
-    return [arena[layer, i][:, ids].reshape(H, len(ids) * T, D).copy() for i in (0, 1)]
 
 
 def raw_of(x: mx.array) -> np.ndarray:
@@ -296,7 +293,7 @@ def raw_of(x: mx.array) -> np.ndarray:
 def test_native_read_layer_gathers_in_block_order(dtype, layer):
     arena = arena_of(dtype=dtype)
     ids = [9, 2, 2, 0, 7]
-    want = want_of(arena, ids, layer)
+    want = layer_kv(arena, ids, layer)
     k, v = mxbuf.native.read_layer(arena, ids, layer, STORAGE[dtype][1], 1, 1 << 30)
     for got, w in ((k, want[0]), (v, want[1])):
         assert got.dtype == STORAGE[dtype][1] and got.shape == (3, 5 * 4, 8)
@@ -311,22 +308,22 @@ def test_native_read_layer_gathers_in_block_order(dtype, layer):
 @native
 @pytest.mark.parametrize("skew", [0, 64, 2052, 2])
 def test_native_read_layer_lands_at_the_sources_page_offsets(skew):
-    arena = arena_of(shape=(2, 2, 2, 16, 8, 16), dtype="float32", skew=skew)
+    arena = arena_of(shape=(2, 16, 2, 2, 8, 16), dtype="float32", skew=skew)
     ids = [15, 3, 8]
     k, v = mxbuf.native.read_layer(arena, ids, 1, mx.float32, 1, 1 << 30)
     for x, kv in ((k, 0), (v, 1)):
-        gap = (arena[1, kv].ctypes.data - as_np(x).ctypes.data) % 4096
+        gap = (arena[1, 0, kv].ctypes.data - as_np(x).ctypes.data) % 4096
         # where the arena's items are not item-aligned, the nearest whole item before
         assert gap == skew % 4
-    want = want_of(arena, ids, 1)
+    want = layer_kv(arena, ids, 1)
     assert np.array_equal(as_np(k), want[0]) and np.array_equal(as_np(v), want[1])
 
 
 @native
 def test_native_read_layer_threads_agree():
-    arena = arena_of(shape=(1, 2, 4, 64, 4, 8), dtype="float32", seed=4)
+    arena = arena_of(shape=(1, 64, 2, 4, 4, 8), dtype="float32", seed=4)
     ids = np.random.default_rng(1).permutation(64)[:50].tolist()
-    want = want_of(arena, ids, 0)
+    want = layer_kv(arena, ids, 0)
     for threads in (1, 2, 3, 8, 50):
         k, v = mxbuf.native.read_layer(arena, ids, 0, mx.float32, threads, 0)
         assert np.array_equal(as_np(k), want[0]) and np.array_equal(as_np(v), want[1])
@@ -335,7 +332,7 @@ def test_native_read_layer_threads_agree():
 @native
 def test_native_read_layer_keeps_its_buffer_alive():
     arena = arena_of(dtype="float32")
-    want = want_of(arena, [1, 4], 0)
+    want = layer_kv(arena, [1, 4], 0)
     k, v = mxbuf.native.read_layer(arena, [1, 4], 0, mx.float32, 1, 1 << 30)
     del k
     gc.collect()
@@ -363,7 +360,7 @@ def test_native_read_layer_rejects_a_bad_arena_layer_or_dtype():
     with pytest.raises(ValueError, match="arena must be a C-contiguous"):
         mxbuf.native.read_layer(a[0], [1], 0, mx.float16, 1, 1 << 30)
     with pytest.raises(ValueError, match="arena must be a C-contiguous"):
-        mxbuf.native.read_layer(np.zeros((1, 3, 1, 4, 2, 2), np.float16), [1], 0, mx.float16, 1, 1 << 30)
+        mxbuf.native.read_layer(np.zeros((1, 4, 3, 1, 2, 2), np.float16), [1], 0, mx.float16, 1, 1 << 30)
     with pytest.raises((ValueError, BufferError), match="contiguous"):
         mxbuf.native.read_layer(a[..., ::2], [1], 0, mx.float16, 1, 1 << 30)
     for layer in (-1, 3):

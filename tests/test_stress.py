@@ -96,7 +96,7 @@ def test_checker_detects_corrupted_table_block(worker):
     w.op_verify()
     assert w.r["payload_mismatches"] == 0 and w.r["verified_blocks"] > 0
     ids = m.get_block_table(rid).block_ids
-    m._p.arena[:, :, :, ids[0], 0, :] += 1          # one token, every layer
+    m._p.arena[:, ids[0], :, :, 0, :] += 1          # one token, every layer
     w.op_verify()
     assert w.r["payload_mismatches"] == 1
     assert f"block {ids[0]}" in w.r["mismatch_details"][0]
@@ -108,7 +108,7 @@ def test_checker_detects_corrupted_private_block(worker):
     (b, *_) = sorted(w.private)
     w.verify_private(b)
     assert w.r["payload_mismatches"] == 0
-    m._p.arena[:, 1, 0, b, 3, 2] = -1.0
+    m._p.arena[:, b, 1, 0, 3, 2] = -1.0
     w.verify_private(b)
     assert w.r["payload_mismatches"] == 1
 

@@ -35,8 +35,8 @@ def profile(n: int, dtype: str, heads: int = 4, block_size: int = 32, head_dim: 
         p.arena[...] = 1
         ids_l = np.random.default_rng(0).permutation(np.arange(1, 2048))[:n].tolist()
         ids = np.asarray(ids_l, dtype=np.int64)
-        srcs = (p.arena[0, 0], p.arena[0, 1])
-        nbytes = srcs[0][:, :1].nbytes * n
+        srcs = (p.arena[0, :, 0], p.arena[0, :, 1])    # (max_blocks, H, T, D) each
+        nbytes = srcs[0][:1].nbytes * n
         out = {"read_kv + eval": _median_us(lambda: mx.eval(*mgr.read_kv(ids_l, 0))),
                "read_kv": _median_us(lambda: mgr.read_kv(ids_l, 0)),
                "fallback: id check": _median_us(lambda: mgr._bids(ids_l))}
@@ -51,18 +51,18 @@ def profile(n: int, dtype: str, heads: int = 4, block_size: int = 32, head_dim: 
         finally:
             mxbuf.native = native
         if kvmod._gather is not None:
-            chunk = srcs[0].strides[1]
-            so = np.array([s[h].ctypes.data - p.arena.ctypes.data for s in srcs for h in range(heads)],
-                          dtype=np.int64)
+            chunk, stride = srcs[0].strides[1], srcs[0].strides[0]
+            so = np.array([s.ctypes.data - p.arena.ctypes.data + h * chunk
+                           for s in srcs for h in range(heads)], dtype=np.int64)
             raw = np.empty(2 * nbytes + kvmod._PAGE, np.uint8)
             at = (srcs[0].ctypes.data - raw.ctypes.data) % kvmod._PAGE
             dst = raw[at:at + 2 * nbytes]          # at the source's page offset (see kv._place)
             do = np.arange(2 * heads, dtype=np.int64) * n * chunk
             private = p.arena.copy()
             out["raw gather, shared arena"] = _median_us(
-                lambda: kvmod._gather(dst, p.arena, ids, so, do, chunk, 1))
+                lambda: kvmod._gather(dst, p.arena, ids, so, do, chunk, 1, stride))
             out["raw gather, private copy"] = _median_us(
-                lambda: kvmod._gather(dst, private, ids, so, do, chunk, 1))
+                lambda: kvmod._gather(dst, private, ids, so, do, chunk, 1, stride))
         src, kept = np.ones(2 * nbytes, np.uint8), np.empty(2 * nbytes, np.uint8)
         out["np.copyto, same bytes"] = _median_us(lambda: np.copyto(kept, src))
         return out

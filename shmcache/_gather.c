@@ -65,7 +65,8 @@ gather(PyObject *self, PyObject *args)
         goto done;
     }
     Py_BEGIN_ALLOW_THREADS
-    gather_copy(dst.buf, src.buf, ids.buf, n, stride, so.buf, dof.buf, m, chunk, threads);
+    gather_copy(dst.buf, src.buf, ids.buf, n, stride, so.buf, dof.buf, m, chunk, threads,
+                GATHER_STREAM_BYTES);
     Py_END_ALLOW_THREADS
     ret = Py_None;
     Py_INCREF(ret);

@@ -100,6 +100,25 @@ def test_threads_and_chunks(threads, chunk):
     check_against_reference(threads * 7919 + chunk, chunk, 40, 4, threads)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("skew", [0, 8, 32])
+def test_large_copies_stream_exactly(threads, skew):
+    # Over 4 MiB in 128-byte multiples: the non-temporal store path, which
+    # takes only 32-byte aligned destination chunks (skew 8: none are).
+    rng = np.random.default_rng(skew + threads)
+    chunk, nblk, m = 2048, 300, 8
+    src = rng.integers(0, 256, nblk * m * chunk, dtype=np.uint8)
+    ids = rng.permutation(nblk)[:280].astype(np.int64)
+    so = np.arange(m, dtype=np.int64) * chunk
+    do = skew + np.arange(m, dtype=np.int64) * len(ids) * chunk
+    dst = np.full(skew + m * len(ids) * chunk + 64, 0x5A, np.uint8)
+    assert m * len(ids) * chunk > 4 << 20
+    want = dst.copy()
+    reference(want, src, ids, so, do, chunk, m * chunk)
+    gather(dst, src, ids, so, do, chunk, threads, m * chunk)
+    assert dst.tobytes() == want.tobytes()
+
+
 def test_more_threads_than_tasks():
     check_against_reference(1, 128, 1, 1, 8)
     check_against_reference(2, 100, 3, 1, 8)

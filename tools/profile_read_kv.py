@@ -3,11 +3,13 @@
     python -m tools.profile_read_kv [--blocks 64 512] [--dtype float16 float32]
 
 For each size: the read evaluated and not; where the native module is built,
-its one call (``read_layer``) alone, with one thread and with two; the fallback's pieces (the id check and
-the staged read); the raw C gather from the shared arena and from a private
-numpy copy of it (the difference is what shared memory costs), each into a
-buffer at the source's page offset; and np.copyto of the same bytes into a
-kept buffer. Medians of 301 calls, microseconds. Leaves nothing in /dev/shm.
+its one call (``read_layer``) alone, with one thread and with two, and
+without the non-temporal stores it uses over 4 MiB (see _gather.h); the
+fallback's pieces (the id check and the staged read); the raw C gather from
+the shared arena and from a private numpy copy of it (the difference is what
+shared memory costs), each into a buffer at the source's page offset; and
+np.copyto of the same bytes into a kept buffer. Medians of 301 calls,
+microseconds. Leaves nothing in /dev/shm.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ def profile(n: int, dtype: str, heads: int = 4, block_size: int = 32, head_dim: 
             for t in (1, 2):
                 out[f"native read_layer, {t} thread{'s' * (t > 1)}"] = _median_us(
                     lambda: mx.eval(*mxbuf.native.read_layer(p.arena, ids_l, 0, dt, t, 0)))
+            out["native read_layer, no streaming"] = _median_us(
+                lambda: mx.eval(*mxbuf.native.read_layer(p.arena, ids_l, 0, dt, kvmod._THREADS,
+                                                         kvmod._STAGED_BYTES, 1 << 62)))
         native, mxbuf.native = mxbuf.native, None
         try:
             out["fallback: read + eval"] = _median_us(lambda: mx.eval(*kvmod.read(p, ids_l, 0)))

@@ -1,12 +1,6 @@
-// shmcache._mlxbuf: new MLX arrays whose bytes the caller writes, made in the
+// shmcache._mlxbuf: a KV read straight into new MLX arrays, made in the
 // calling thread (no evaluation, no zero fill).
 //
-// empty(nbytes) -> (base, address): an evaluated uint8 MLX array of nbytes,
-//     its memory straight from MLX's allocator and not yet written, and the
-//     address of its first byte.
-// views(base, shape, dtype, offsets) -> tuple of arrays: evaluated row-major
-//     arrays of `shape` and `dtype`, one per byte offset, sharing base's
-//     buffer (each holds it alive; nothing is copied).
 // read_layer(arena, ids, layer, dtype, threads, threads_above[, stream_above])
 //     -> (k, v) | None:
 //     one layer's K and V of the blocks `ids` from the pool's arena (a
@@ -28,8 +22,6 @@
 // the MLX version it was compiled against and shmcache/mxbuf.py uses it only
 // with that same version, and after a self-check.
 #include <nanobind/nanobind.h>
-#include <nanobind/stl/tuple.h>
-#include <nanobind/stl/vector.h>
 
 #include <string>
 #include <vector>
@@ -43,13 +35,6 @@ namespace mx = mlx::core;
 
 #define STR2(x) #x
 #define STR(x) STR2(x)
-
-static std::tuple<mx::array, uintptr_t> empty(int64_t nbytes) {
-  if (nbytes <= 0 || nbytes > INT32_MAX)
-    throw nb::value_error(("nbytes must be in [1, 2**31), got " + std::to_string(nbytes)).c_str());
-  mx::array base(mx::allocator::malloc(nbytes), mx::Shape{static_cast<int>(nbytes)}, mx::uint8);
-  return {base, reinterpret_cast<uintptr_t>(base.data<uint8_t>())};
-}
 
 static constexpr int64_t kPage = 4096;
 
@@ -70,30 +55,6 @@ static mx::array window(const mx::array& base, const mx::Shape& sh, mx::Dtype dt
   a.copy_shared_buffer(base, st, f, static_cast<size_t>(size), elem);
   a.set_status(mx::array::Status::available);
   return a;
-}
-
-static std::vector<mx::array> views(const mx::array& base, const std::vector<int>& shape,
-                                    mx::Dtype dtype, const std::vector<int64_t>& offsets) {
-  if (base.dtype() != mx::uint8 || base.ndim() != 1 || base.status() != mx::array::Status::available)
-    throw nb::value_error("base must be an evaluated 1-D uint8 array (from empty())");
-  mx::Shape sh(shape.begin(), shape.end());
-  int64_t size = 1;
-  for (auto s : sh) {
-    if (s < 0)
-      throw nb::value_error("shape must not be negative");
-    size *= s;
-  }
-  const int64_t isz = dtype.size(), avail = static_cast<int64_t>(base.nbytes());
-  for (int64_t off : offsets)
-    if (off < 0 || off % isz || off + size * isz > avail)
-      throw nb::value_error(("offset " + std::to_string(off) + " must be a multiple of " +
-                             std::to_string(isz) + " in [0, " + std::to_string(avail - size * isz) +
-                             "] for " + std::to_string(size * isz) + " bytes in a " +
-                             std::to_string(avail) + "-byte base").c_str());
-  std::vector<mx::array> out;
-  for (int64_t off : offsets)
-    out.push_back(window(base, sh, dtype, off / isz));
-  return out;
 }
 
 struct Buffer {
@@ -170,8 +131,6 @@ static nb::object read_layer(nb::handle arena, nb::handle ids, int layer, mx::Dt
 }
 
 NB_MODULE(_mlxbuf, m) {
-  m.def("empty", &empty, nb::arg("nbytes"));
-  m.def("views", &views, nb::arg("base"), nb::arg("shape"), nb::arg("dtype"), nb::arg("offsets"));
   m.def("read_layer", &read_layer, nb::arg("arena"), nb::arg("ids").none(), nb::arg("layer"),
         nb::arg("dtype"), nb::arg("threads"), nb::arg("threads_above"),
         nb::arg("stream_above") = int64_t(GATHER_STREAM_BYTES));

@@ -157,7 +157,6 @@ def read(p, block_ids, layer: int):
     nbytes = H * n * T * D * p.arena.itemsize
     srcs = (p.arena[layer, :, 0], p.arena[layer, :, 1])
     dt = _DT[lay.dtype]
-    threads = 1 if 2 * nbytes <= _STAGED_BYTES else _THREADS
     total = 2 * nbytes + 2 * _PAGE
     if 2 * nbytes <= _STAGED_BYTES:
         buf = np.empty(total, dtype=np.uint8)
@@ -170,7 +169,7 @@ def read(p, block_ids, layer: int):
 
     def fill(buf):
         box.append(_place(buf.ctypes.data, srcs, nbytes))
-        _gather_into(p, buf, srcs, ids, box[-1], threads)
+        _gather_into(p, buf, srcs, ids, box[-1], _THREADS)
     raw = mxbuf.filled(total, fill)
     # Views of the one buffer (MLX copies nothing); holding either keeps both.
     # They are left unevaluated: whoever uses them evaluates them for free

@@ -6,11 +6,10 @@ allocate, so the obvious way to fill a new MLX array from our own code is
 to MLX's stream thread before the real write. Two ways round that:
 
 - ``native`` (``shmcache._mlxbuf``, C++, where it was built against this very
-  MLX version and passes a self-check): ``native.empty(nbytes)`` makes an
-  evaluated, unwritten uint8 array in the calling thread, and
-  ``native.views(base, shape, dtype, offsets)`` evaluated typed views of it;
-  ``native.read_layer`` does a whole KV read in one call (``kv.read_fast``).
-  ``None`` where it is not usable (or ``SHMCACHE_PURE`` is set).
+  MLX version and passes a self-check): ``native.read_layer`` does a whole KV
+  read in one call (``kv.read_fast``), into an unwritten buffer from MLX's
+  allocator, in the calling thread. ``None`` where it is not usable (or
+  ``SHMCACHE_PURE`` is set).
 - ``filled(nbytes, fill)``, with MLX's Python API only: ``mx.load`` is the one
   public call that allocates an array and lets Python write its bytes, since
   loading a ``.npy`` stream hands the stream's ``readinto`` the new array's
@@ -50,15 +49,9 @@ def _load_native():
     if _mlxbuf.MLX_VERSION != mx.__version__:
         return None
     try:
-        base, addr = _mlxbuf.empty(64)
-        np.array(base, copy=False)[:] = np.arange(64, dtype=np.uint8)
-        (v,) = _mlxbuf.views(base, [2, 4], mx.float32, [32])
         arena = np.arange(24, dtype=np.float32).reshape(1, 3, 2, 1, 2, 2)   # (L, M, 2, H, T, D)
         k, kv_v = _mlxbuf.read_layer(arena, [2, 0], 0, mx.float32, 1, 1 << 30)
-        ok = (isinstance(v, mx.array) and v.shape == (2, 4) and v.dtype == mx.float32
-              and np.array(base, copy=False).ctypes.data == addr
-              and np.array(v).tobytes() == bytes(range(32, 64))
-              and k.shape == (1, 4, 2)
+        ok = (isinstance(k, mx.array) and k.dtype == mx.float32 and k.shape == (1, 4, 2)
               and np.array_equal(np.array(k), arena[0, [2, 0], 0].transpose(1, 0, 2, 3).reshape(1, 4, 2))
               and np.array_equal(np.array(kv_v), arena[0, [2, 0], 1].transpose(1, 0, 2, 3).reshape(1, 4, 2)))
     except Exception:

@@ -179,83 +179,6 @@ native = pytest.mark.skipif(mxbuf.native is None, reason="shmcache._mlxbuf is no
 
 
 @native
-@pytest.mark.parametrize("n", SIZES)
-def test_native_empty_is_writable_in_place(n):
-    base, addr = mxbuf.native.empty(n)
-    assert isinstance(base, mx.array) and base.dtype == mx.uint8 and base.shape == (n,)
-    view = as_np(base)
-    assert view.ctypes.data == addr and view.flags.writeable
-    view[:] = payload(n)
-    assert np.array(base + 0).tobytes() == payload(n).tobytes()   # MLX sees the bytes
-
-
-@native
-def test_native_arrays_are_independent():
-    (a, pa), (b, pb) = mxbuf.native.empty(4096), mxbuf.native.empty(4096)
-    as_np(a)[:], as_np(b)[:] = 1, 2
-    assert pa != pb and int(a.sum()) == 4096 and int(b.sum()) == 8192
-
-
-@native
-@pytest.mark.parametrize("dtype,np_dtype", [(mx.float32, np.float32), (mx.float16, np.float16),
-                                            (mx.bfloat16, None), (mx.int64, np.int64)])
-def test_native_views_are_typed_windows_of_base(dtype, np_dtype):
-    shape, isz = [3, 5, 4], dtype.size
-    nb = 60 * isz
-    base, addr = mxbuf.native.empty(2 * nb + 2 * 4096)
-    raw = payload(2 * nb + 2 * 4096)
-    as_np(base)[:] = raw
-    offs = [4096 - 2 * isz, 4096 + nb + 8 * isz]
-    views = mxbuf.native.views(base, shape, dtype, offs)
-    assert len(views) == 2
-    for v, o in zip(views, offs):
-        assert v.dtype == dtype and v.shape == tuple(shape)
-        got = np.array(v.view(mx.uint16) if dtype == mx.bfloat16 else v)
-        want = raw[o:o + nb].view(np.uint16 if np_dtype is None else np_dtype).reshape(shape)
-        assert got.tobytes() == want.tobytes()
-        assert as_np(v.view(mx.uint8) if dtype == mx.bfloat16 else v).ctypes.data == addr + o
-    # MLX computes on them like on any array (row-major strides, slices, reductions)
-    if np_dtype is not None:
-        want = np.arange(60).astype(np_dtype).reshape(shape)
-        as_np(base)[offs[0]:offs[0] + nb] = want.view(np.uint8).ravel()
-        assert np.array_equal(np.array(views[0][1:, ::2].sum(axis=1)), want[1:, ::2].sum(axis=1))
-
-
-@native
-def test_native_views_keep_the_buffer_alive():
-    base, addr = mxbuf.native.empty(1024)
-    as_np(base)[:] = payload(1024)
-    (v,) = mxbuf.native.views(base, [256], mx.float32, [0])
-    del base
-    gc.collect()
-    mxbuf.native.empty(1024)                    # would likely reuse a freed buffer
-    assert np.array(v).tobytes() == payload(1024).tobytes()
-
-
-@native
-@pytest.mark.parametrize("offset", [-4, 2, 1024 - 60, 1 << 20])
-def test_native_views_reject_offsets_outside_base(offset):
-    base, _ = mxbuf.native.empty(1024)
-    with pytest.raises(ValueError, match=f"offset {offset} must be a multiple of 4"):
-        mxbuf.native.views(base, [4, 4], mx.float32, [0, offset])
-
-
-@native
-def test_native_views_reject_other_bases():
-    with pytest.raises(ValueError, match="base must be an evaluated 1-D uint8 array"):
-        mxbuf.native.views(mx.zeros((4, 4), dtype=mx.uint8), [4], mx.uint8, [0])
-    with pytest.raises(ValueError, match="base must be"):
-        mxbuf.native.views(mx.zeros((16,), dtype=mx.float32), [4], mx.uint8, [0])
-
-
-@native
-@pytest.mark.parametrize("n", [0, -1, 1 << 31])
-def test_native_empty_rejects_bad_sizes(n):
-    with pytest.raises(ValueError, match="nbytes must be in"):
-        mxbuf.native.empty(n)
-
-
-@native
 def test_native_is_refused_for_another_mlx_version(monkeypatch):
     assert mxbuf._load_native() is mxbuf.native
     monkeypatch.setattr(mxbuf.native, "MLX_VERSION", "0.0.1")
@@ -336,7 +259,7 @@ def test_native_read_layer_keeps_its_buffer_alive():
     k, v = mxbuf.native.read_layer(arena, [1, 4], 0, mx.float32, 1, 1 << 30)
     del k
     gc.collect()
-    mxbuf.native.empty(4096 * 4)                     # would likely reuse a freed buffer
+    mx.eval(mx.zeros(v.nbytes * 2, dtype=mx.uint8) + 1)  # would likely reuse a freed buffer
     assert np.array_equal(as_np(v), want[1])
 
 

@@ -38,7 +38,7 @@ def _mlxbuf():
     return [Extension(
         "shmcache._mlxbuf",
         ["shmcache/_mlxbuf.cpp", os.path.join(nb, "nb_combined.cpp")],
-        depends=["shmcache/_gather.h"], optional=True, language="c++",
+        depends=["shmcache/_gather.h", "shmcache/_gather_pool.h"], optional=True, language="c++",
         include_dirs=[nanobind.include_dir(), os.path.join(nb, "..", "ext", "robin_map", "include"),
                       os.path.join(root, "include")],
         # NB_DOMAIN=mlx: share MLX's nanobind type registry, so that the
@@ -53,7 +53,7 @@ def _mlxbuf():
 
 setup(ext_modules=[
     Extension("shmcache._hot", ["shmcache/_hot.c"], optional=True, extra_compile_args=_FLAGS),
-    Extension("shmcache._gather", ["shmcache/_gather.c"], depends=["shmcache/_gather.h"], optional=True,
+    Extension("shmcache._gather", ["shmcache/_gather.c"], depends=["shmcache/_gather.h", "shmcache/_gather_pool.h"], optional=True,
               extra_compile_args=_FLAGS + ["-pthread"], extra_link_args=["-pthread"]),
     *_mlxbuf(),
 ])

@@ -1,15 +1,19 @@
 /* shmcache._gather: the KV read's one copy, from scattered arena chunks into
  * one destination buffer, in C.
  *
- * gather(dst, src, ids, src_offsets, dst_offsets, chunk, threads[, stride])
+ * gather(dst, src, ids, src_offsets, dst_offsets, chunk, threads[, stride[,
+ *        stream_above]])
  * copies, for every i and every j, the `chunk` bytes at
  * src + src_offsets[j] + ids[i]*stride (stride defaults to chunk) to
- * dst + dst_offsets[j] + i*chunk. In the arena (see layout) i runs over the
- * requested blocks and j over (K|V, head) of one layer.
+ * dst + dst_offsets[j] + i*chunk, with non-temporal stores when the copy
+ * exceeds stream_above bytes (default 4 MiB, see _gather.h). In the arena
+ * (see layout) i runs over the requested blocks and j over (K|V, head) of
+ * one layer.
  *
  * Every offset is checked against both buffers before anything is copied
  * (ValueError otherwise, nothing written), and the copy runs with the GIL
- * released, split over `threads` threads (the caller's plus threads-1 new).
+ * released, split over `threads` threads (the caller's plus threads-1 kept helpers,
+ * see _gather_pool.h).
  *
  * The copy itself (and why it is not numpy's take) is in _gather.h, which
  * shmcache._mlxbuf's read_layer shares.
@@ -36,12 +40,12 @@ static PyObject *
 gather(PyObject *self, PyObject *args)
 {
     PyObject *dst_o, *src_o, *ids_o, *so_o, *do_o;
-    long long chunk, stride = -1;
+    long long chunk, stride = -1, stream_above = GATHER_STREAM_BYTES;
     int threads;
     Py_buffer dst = {0}, src = {0}, ids = {0}, so = {0}, dof = {0};
     PyObject *ret = NULL;
-    if (!PyArg_ParseTuple(args, "OOOOOLi|L", &dst_o, &src_o, &ids_o, &so_o, &do_o, &chunk,
-                          &threads, &stride))
+    if (!PyArg_ParseTuple(args, "OOOOOLi|LL", &dst_o, &src_o, &ids_o, &so_o, &do_o, &chunk,
+                          &threads, &stride, &stream_above))
         return NULL;
     if (PyTuple_GET_SIZE(args) < 8)
         stride = chunk;
@@ -66,7 +70,7 @@ gather(PyObject *self, PyObject *args)
     }
     Py_BEGIN_ALLOW_THREADS
     gather_copy(dst.buf, src.buf, ids.buf, n, stride, so.buf, dof.buf, m, chunk, threads,
-                GATHER_STREAM_BYTES);
+                stream_above);
     Py_END_ALLOW_THREADS
     ret = Py_None;
     Py_INCREF(ret);
@@ -81,7 +85,8 @@ done:
 
 static PyMethodDef methods[] = {
     {"gather", gather, METH_VARARGS,
-     "gather(dst, src, ids, src_offsets, dst_offsets, chunk, threads[, stride]) -> None"},
+     "gather(dst, src, ids, src_offsets, dst_offsets, chunk, threads[, stride[, stream_above]])"
+     " -> None"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -6,9 +6,9 @@
  *             stream_above)
  * copies, for every i < n and every j < m, the `chunk` bytes at
  * src + src_offs[j] + ids[i]*stride to dst + dst_offs[j] + i*chunk, block by
- * block (i outer), split over `threads` threads (the caller's plus threads-1
- * new). In the arena (see layout) a block's K and V of all heads in one layer
- * are 2*H consecutive chunks, so j runs over (K|V, head) and the source is
+ * block (i outer), split over `threads` threads (the caller's plus up to
+ * threads-1 kept helpers, see _gather_pool.h). In the arena (see layout) a
+ * block's K and V of all heads in one layer are 2*H consecutive chunks, so j runs over (K|V, head) and the source is
  * read in runs of 2*H*chunk bytes.
  *
  * gather_check(...) returns NULL when every such copy stays inside both
@@ -32,14 +32,14 @@
 #endif
 
 #define GATHER_MAX_THREADS 8
-/* NOTE: by default (gather_copy's stream_above; shmcache.kv passes the same)
- * copies of more than this many bytes in all use non-temporal stores
- * (into 32-byte aligned destinations), as glibc's memcpy does for large
- * copies: they skip reading each destination line before writing it. On the
- * development VM, with the block-major arena, 8-16 MiB gathers went from
- * 0.31-0.82x of np.copyto to 0.78-1.47x with them, while 1-2 MiB ones went
- * from 0.61-0.78x down to 0.49-0.61x, hence the threshold. The result then
- * starts out of cache, which past this size it mostly would anyway. */
+/* NOTE: copies of more than stream_above bytes in all use non-temporal
+ * stores (into 32-byte aligned destinations), as glibc's memcpy does for
+ * large copies: they skip reading each destination line before writing it,
+ * but leave the result out of cache. This is the default for direct callers;
+ * shmcache.kv passes 3/8 of the L3 instead (see kv._stream_bytes, and the
+ * figures there). With one thread per call and the block-major arena, 8-16
+ * MiB gathers went from 0.31-0.82x of np.copyto to 0.78-1.47x with them,
+ * while 1-2 MiB ones went from 0.61-0.78x down to 0.49-0.61x. */
 #define GATHER_STREAM_BYTES (4 << 20)
 
 typedef struct {
@@ -110,12 +110,7 @@ gather_run(const GatherJob *j)
 #endif
 }
 
-static void *
-gather_run_thread(void *arg)
-{
-    gather_run((const GatherJob *)arg);
-    return NULL;
-}
+#include "_gather_pool.h"
 
 static const char *
 gather_check(int64_t dst_len, int64_t src_len, const int64_t *id, int64_t n, int64_t stride,
@@ -173,25 +168,14 @@ gather_copy(char *dst, const char *src, const int64_t *ids, int64_t n, int64_t s
 #if defined(__x86_64__)
     wide = chunk % 128 == 0 && __builtin_cpu_supports("avx2");
 #endif
-    GatherJob jobs[GATHER_MAX_THREADS];
-    pthread_t tid[GATHER_MAX_THREADS];
-    int started[GATHER_MAX_THREADS] = {0};
-    for (int k = 0; k < threads; k++) {
-        GatherJob *j = &jobs[k];
-        j->dst = dst, j->src = src, j->ids = ids, j->src_offs = so, j->dst_offs = dof;
-        j->n = n, j->m = m, j->stride = stride, j->chunk = chunk, j->wide = wide;
-        j->stream = wide && total * chunk > stream_above;
-        j->begin = total * k / threads, j->end = total * (k + 1) / threads;
-    }
-    for (int k = 1; k < threads; k++)
-        started[k] = pthread_create(&tid[k], NULL, gather_run_thread, &jobs[k]) == 0;
-    gather_run(&jobs[0]);
-    for (int k = 1; k < threads; k++) {
-        if (started[k])
-            pthread_join(tid[k], NULL);
-        else
-            gather_run(&jobs[k]);   /* no thread to be had: do its share here */
-    }
+    GatherJob j;
+    j.dst = dst, j.src = src, j.ids = ids, j.src_offs = so, j.dst_offs = dof;
+    j.n = n, j.m = m, j.stride = stride, j.chunk = chunk, j.wide = wide;
+    j.stream = wide && total * chunk > stream_above;
+    j.begin = 0, j.end = total;
+    if (threads > 1 && gather_pool_run(&j, total, threads))
+        return;
+    gather_run(&j);   /* one thread asked for, or the pool is taken: alone */
 }
 
 #endif

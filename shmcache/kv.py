@@ -32,11 +32,13 @@ def _gather_threads() -> int:
         if not env.isdigit() or int(env) < 1:
             raise ValueError(f"SHMCACHE_GATHER_THREADS must be a positive int, got {env!r}")
         return int(env)
-    # NOTE: two at most, and read() uses the second only for reads over
-    # _STAGED_BYTES: on the development VM (2 vCPUs) starting and waking it
-    # cost ~190 us, more than a 64-block read takes (43 us alone, 228 us with
-    # two threads), while a 512-block fp16 read went from 817 to 336 us
-    # (``python -m tools.profile_read_kv``; make bench shows both counts).
+    # NOTE: two at most, and reads use the second only past _STAGED_BYTES.
+    # The helper is kept between calls and spins 0.3 ms after each job (see
+    # _gather_pool.h): a 512-block fp16 read took 272 us with it against 476
+    # on one thread, a 64-block one 33 against 38 (``python -m
+    # tools.profile_read_kv``). Small reads stay on one thread because the
+    # workers make them every decode step, and a helper spinning after each
+    # would take a vCPU from the other workers for the little it saves.
     return min(2, len(os.sched_getaffinity(0)))
 
 
@@ -104,6 +106,38 @@ _PAGE = 4096
 _STAGED_BYTES = 4 << 20
 
 
+def _l3_bytes():
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for idx in sorted(os.listdir(base)):
+            with open(f"{base}/{idx}/level") as f:
+                if f.read().strip() != "3":
+                    continue
+            with open(f"{base}/{idx}/size") as f:
+                size = f.read().strip()
+            unit = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 1)
+            return int(size.rstrip("KM")) * unit
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _stream_bytes(l3) -> int:
+    # NOTE: reads over this many bytes (K and V) use non-temporal stores (see
+    # _gather.h): 3/8 of the L3, i.e. past where the source and the result
+    # together no longer fit in 3/4 of it. Below that, ordinary stores leave
+    # the result in cache for the attention that reads it next, and were
+    # faster: 8 MiB reads with 2 threads went from 0.77-1.07x of np.copyto
+    # streamed to 1.32-1.83x not, while 16 MiB ones were faster streamed
+    # (1.63-1.78x against 1.06-1.35x), with a 32 MiB L3 (/tmp experiment,
+    # recorded in the README). Without /sys (not Linux) 4 MiB, as before; the
+    # sysconf figure is not used because on this VM it says 320 MiB.
+    return max(_STAGED_BYTES, 3 * l3 // 8) if l3 else _STAGED_BYTES
+
+
+_STREAM_BYTES = _stream_bytes(_l3_bytes())
+
+
 def _place(base: int, srcs, nbytes: int):
     # NOTE: each block's run in the arena starts on a page, and a large
     # buffer a few bytes past one; with the destination a few bytes off
@@ -123,7 +157,8 @@ def _gather_into(p, buf, srcs, ids, offs, threads: int) -> None:
         src_offs = (np.array([s.ctypes.data for s in srcs], dtype=np.int64)
                     - p.arena.ctypes.data)[:, None] + hs * chunk
         dst_offs = np.array(offs, dtype=np.int64)[:, None] + hs * (n * chunk)
-        _gather(buf, p.arena, ids, src_offs.ravel(), dst_offs.ravel(), chunk, threads, stride)
+        _gather(buf, p.arena, ids, src_offs.ravel(), dst_offs.ravel(), chunk, threads, stride,
+                _STREAM_BYTES)
         return
     nbytes = H * n * chunk
     for s, o in zip(srcs, offs):
@@ -144,7 +179,8 @@ def read_fast(p, block_ids, layer: int):
     nat = mxbuf.native
     if nat is None:
         return None
-    return nat.read_layer(p.arena, block_ids, layer, _DT[p.layout.dtype], _THREADS, _STAGED_BYTES)
+    return nat.read_layer(p.arena, block_ids, layer, _DT[p.layout.dtype], _THREADS, _STAGED_BYTES,
+                          _STREAM_BYTES)
 
 
 def read(p, block_ids, layer: int):

@@ -106,8 +106,7 @@ _PAGE = 4096
 _STAGED_BYTES = 4 << 20
 
 
-def _l3_bytes():
-    base = "/sys/devices/system/cpu/cpu0/cache"
+def _l3_bytes(base: str = "/sys/devices/system/cpu/cpu0/cache"):
     try:
         for idx in sorted(os.listdir(base)):
             with open(f"{base}/{idx}/level") as f:

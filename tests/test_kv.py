@@ -309,3 +309,26 @@ def test_empty_read(make_pool, monkeypatch, way):
     m = kv_pool(make_pool, "float32")
     k, v = m.read_kv([], 0)
     assert k.shape == v.shape == (H, 0, D) and k.dtype == mx.float32
+
+
+def test_stream_threshold_is_three_eighths_of_the_l3():
+    assert kvmod._stream_bytes(32 << 20) == 12 << 20
+    assert kvmod._stream_bytes(8 << 20) == kvmod._STAGED_BYTES     # never below 4 MiB
+    assert kvmod._stream_bytes(None) == kvmod._STAGED_BYTES        # L3 unknown
+    l3 = kvmod._l3_bytes()
+    assert l3 is None or l3 >= 1 << 20
+    assert kvmod._STREAM_BYTES == kvmod._stream_bytes(l3)
+
+
+def test_l3_read_from_sys(tmp_path):
+    for idx, level, size in (("index0", "1", "32K"), ("index2", "2", "1024K"),
+                             ("index3", "3", "32768K")):
+        (tmp_path / idx).mkdir()
+        (tmp_path / idx / "level").write_text(level + "\n")
+        (tmp_path / idx / "size").write_text(size + "\n")
+    assert kvmod._l3_bytes(str(tmp_path)) == 32 << 20
+    (tmp_path / "index3" / "size").write_text("32M\n")
+    assert kvmod._l3_bytes(str(tmp_path)) == 32 << 20
+    (tmp_path / "index3" / "level").write_text("2\n")
+    assert kvmod._l3_bytes(str(tmp_path)) is None
+    assert kvmod._l3_bytes(str(tmp_path / "missing")) is None

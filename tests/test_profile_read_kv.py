@@ -16,7 +16,7 @@ def test_profile_reports_every_piece_and_leaves_no_segment():
             "np.copyto, same bytes"}
     if mxbuf.native is not None:
         want |= {"native read_layer, 1 thread", "native read_layer, 2 threads",
-                 "native read_layer, no streaming"}
+                 "native read_layer, streamed", "native read_layer, not streamed"}
     if kvmod._gather is not None:
         want |= {"raw gather, shared arena", "raw gather, private copy"}
     assert set(out) == want

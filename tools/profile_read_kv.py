@@ -4,8 +4,9 @@
 
 For each size: the read evaluated and not; where the native module is built,
 its one call (``read_layer``) alone, with one thread and with two, and
-without the non-temporal stores it uses over 4 MiB (see _gather.h); the
-fallback's pieces (the id check and the staged read); the raw C gather from
+with its stores all non-temporal and all not (read_kv streams past 3/8 of
+the L3, see kv._stream_bytes); the fallback's pieces (the id check and the
+staged read); the raw C gather from
 the shared arena and from a private numpy copy of it (the difference is what
 shared memory costs), each into a buffer at the source's page offset; and
 np.copyto of the same bytes into a kept buffer. Medians of 301 calls,
@@ -46,10 +47,12 @@ def profile(n: int, dtype: str, heads: int = 4, block_size: int = 32, head_dim: 
             dt = kvmod._DT[dtype]
             for t in (1, 2):
                 out[f"native read_layer, {t} thread{'s' * (t > 1)}"] = _median_us(
-                    lambda: mx.eval(*mxbuf.native.read_layer(p.arena, ids_l, 0, dt, t, 0)))
-            out["native read_layer, no streaming"] = _median_us(
-                lambda: mx.eval(*mxbuf.native.read_layer(p.arena, ids_l, 0, dt, kvmod._THREADS,
-                                                         kvmod._STAGED_BYTES, 1 << 62)))
+                    lambda: mx.eval(*mxbuf.native.read_layer(p.arena, ids_l, 0, dt, t, 0,
+                                                             kvmod._STREAM_BYTES)))
+            for what, above in (("streamed", 0), ("not streamed", 1 << 62)):
+                out[f"native read_layer, {what}"] = _median_us(
+                    lambda: mx.eval(*mxbuf.native.read_layer(p.arena, ids_l, 0, dt, kvmod._THREADS,
+                                                             kvmod._STAGED_BYTES, above)))
         native, mxbuf.native = mxbuf.native, None
         try:
             out["fallback: read + eval"] = _median_us(lambda: mx.eval(*kvmod.read(p, ids_l, 0)))
@@ -87,7 +90,7 @@ def main(argv=None) -> None:
         for n in a.blocks:
             print(f"{n} blocks, {dtype}:")
             for k, v in profile(n, dtype).items():
-                print(f"  {k:28s} {v:9.1f} us")
+                print(f"  {k:32s} {v:9.1f} us")
 
 
 if __name__ == "__main__":

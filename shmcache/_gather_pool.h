@@ -18,13 +18,13 @@
  * no helper inside, so a late helper cannot claim from a half-set job.
  *
  * NOTE: why helpers are kept, and spin before they sleep: on the development
- * VM (2 vCPUs) starting a thread per call cost 40-200 us, and a helper woken
- * from sleep often took 100+ us to start running, while one that was still
- * spinning took its share at once: an 8 MiB memcpy split over two threads
- * took 131 us with a spinning helper, 586 us with a sleeping one, 783 us
- * with a new thread per call and 322 us on one thread. So a helper spins
- * (GATHER_SPIN_NS, about what one large gather takes) after each job, as
- * OpenMP's and OpenBLAS's threads do, then sleeps on the condition variable.
+ * VM (2 vCPUs) an 8 MiB memcpy split over two threads took 101-131 us with a
+ * helper still spinning, 175-586 us with one woken by a condition variable
+ * (795-1254 us after 2 ms idle, when it sleeps), 173-783 us with a thread
+ * started per call, and 224-322 us on one thread (tools/handoff.c, five
+ * runs). So a helper spins (GATHER_SPIN_NS, about what one large gather
+ * takes) after each job, as OpenMP's and OpenBLAS's threads do, then sleeps
+ * on the condition variable.
  * The claims are what make a late helper harmless: the caller starts on the
  * work at once, and a helper that arrives after the last grain was claimed
  * costs the caller nothing but the mutex.

@@ -126,11 +126,13 @@ def _stream_bytes(l3) -> int:
     # _gather.h): 3/8 of the L3, i.e. past where the source and the result
     # together no longer fit in 3/4 of it. Below that, ordinary stores leave
     # the result in cache for the attention that reads it next, and were
-    # faster: 8 MiB reads with 2 threads went from 0.77-1.07x of np.copyto
-    # streamed to 1.32-1.83x not, while 16 MiB ones were faster streamed
-    # (1.63-1.78x against 1.06-1.35x), with a 32 MiB L3 (/tmp experiment,
-    # recorded in the README). Without /sys (not Linux) 4 MiB, as before; the
-    # sysconf figure is not used because on this VM it says 320 MiB.
+    # faster: in 4 interleaved rounds, 8 MiB reads with 2 threads went from
+    # 0.77-1.07x of np.copyto streamed to 1.32-1.83x not, while 16 MiB ones were faster streamed
+    # (1.63-1.78x against 1.06-1.35x), with a 32 MiB L3; ``python -m
+    # tools.profile_read_kv --blocks 512`` shows both (8 MiB: 339-370 us
+    # streamed, 221-224 not; 16 MiB: 758-774 against 1078-1655). Without
+    # /sys (not Linux) 4 MiB, as before; sysconf's L3 figure is not used
+    # because on this VM it says 320 MiB.
     return max(_STAGED_BYTES, 3 * l3 // 8) if l3 else _STAGED_BYTES
 
 

@@ -3,7 +3,7 @@
  * the GIL released.
  *
  * gather_copy(dst, src, ids, n, stride, src_offs, dst_offs, m, chunk, threads,
- *             stream_above)
+ *             stream_above, shared_stream_above)
  * copies, for every i < n and every j < m, the `chunk` bytes at
  * src + src_offs[j] + ids[i]*stride to dst + dst_offs[j] + i*chunk, block by
  * block (i outer), split over `threads` threads (the caller's plus up to
@@ -35,11 +35,14 @@
 /* NOTE: copies of more than stream_above bytes in all use non-temporal
  * stores (into 32-byte aligned destinations), as glibc's memcpy does for
  * large copies: they skip reading each destination line before writing it,
- * but leave the result out of cache. This is the default for direct callers;
- * shmcache.kv passes 3/8 of the L3 instead (see kv._stream_bytes, and the
- * figures there). With one thread per call and the block-major arena, 8-16
- * MiB gathers went from 0.31-0.82x of np.copyto to 0.78-1.47x with them,
- * while 1-2 MiB ones went from 0.61-0.78x down to 0.49-0.61x. */
+ * but leave the result out of cache. Grains copied while a helper shares
+ * the job (see _gather_pool.h) use shared_stream_above instead: two cores
+ * have twice the line-fill buffers, and there ordinary stores, which keep
+ * the result in cache, were the faster (shmcache.kv passes 3/8 of the L3,
+ * see kv._shared_stream_bytes, with the figures). With one thread and the
+ * block-major arena, 8-16 MiB gathers went from 0.31-0.82x of np.copyto to
+ * 0.78-1.47x streamed, while 1-2 MiB ones went from 0.61-0.78x down to
+ * 0.49-0.61x: hence the default, for both, of 4 MiB. */
 #define GATHER_STREAM_BYTES (4 << 20)
 
 typedef struct {
@@ -47,7 +50,7 @@ typedef struct {
     const char *src;
     const int64_t *ids, *src_offs, *dst_offs;
     int64_t n, m, stride, chunk, begin, end;   /* tasks [begin, end) of n*m */
-    int wide, stream;
+    int wide, stream, shared_stream;   /* stream: this run; shared_stream: with a helper */
 } GatherJob;
 
 #if defined(__x86_64__)
@@ -158,7 +161,7 @@ gather_check(int64_t dst_len, int64_t src_len, const int64_t *id, int64_t n, int
 static void
 gather_copy(char *dst, const char *src, const int64_t *ids, int64_t n, int64_t stride,
             const int64_t *so, const int64_t *dof, int64_t m, int64_t chunk, int threads,
-            int64_t stream_above)
+            int64_t stream_above, int64_t shared_stream_above)
 {
     int64_t total = n * m;
     threads = threads < 1 ? 1 : threads > GATHER_MAX_THREADS ? GATHER_MAX_THREADS : threads;
@@ -172,6 +175,7 @@ gather_copy(char *dst, const char *src, const int64_t *ids, int64_t n, int64_t s
     j.dst = dst, j.src = src, j.ids = ids, j.src_offs = so, j.dst_offs = dof;
     j.n = n, j.m = m, j.stride = stride, j.chunk = chunk, j.wide = wide;
     j.stream = wide && total * chunk > stream_above;
+    j.shared_stream = wide && total * chunk > shared_stream_above;
     j.begin = 0, j.end = total;
     if (threads > 1 && gather_pool_run(&j, total, threads))
         return;

@@ -5,8 +5,8 @@
  * gather_pool_run(job, total, threads) runs tasks [0, total) of `job` on the
  * calling thread and on up to threads-1 helpers, and returns 1 once every
  * task has run; it returns 0 (nothing run) when another thread of this
- * process is using the pool or no helper can be started: the caller then runs
- * the job alone.
+ * process is using the pool, no helper can be started, or the pool is
+ * backing off (below): the caller then runs the job alone.
  *
  * Invariant: every task runs exactly once, and no helper touches a job after
  * gather_pool_run has returned. NOTE: why it holds: tasks are claimed in
@@ -24,21 +24,38 @@
  * started per call, and 224-322 us on one thread (tools/handoff.c, five
  * runs). So a helper spins (GATHER_SPIN_NS, about what one large gather
  * takes) after each job, as OpenMP's and OpenBLAS's threads do, then sleeps
- * on the condition variable.
+ * on the condition variable. While it spins it yields every 64 pauses, so
+ * that a busy machine's other threads (the caller's among them) get the CPU:
+ * without that, with a CPU-bound process on the second vCPU, the spinning
+ * helper took time from the caller itself.
  * The claims are what make a late helper harmless: the caller starts on the
  * work at once, and a helper that arrives after the last grain was claimed
  * costs the caller nothing but the mutex.
+ *
+ * NOTE: why the caller backs off: when the other CPUs are busy, a helper
+ * that has claimed a grain can be preempted in the middle of it, and the
+ * caller must wait for it (the helper writes into the caller's buffer). With
+ * a CPU-bound process on the second vCPU, 512-block float16 reads went to
+ * 0.27-0.35x of np.copyto on two threads against 0.90x on one. So when the
+ * caller's final wait exceeds GATHER_WAIT_NS and a quarter of the job, it
+ * runs the next GATHER_BACKOFF_MIN jobs alone, twice as many after each
+ * such wait in a row (up to GATHER_BACKOFF_MAX), half as many after a good
+ * one. gather_pool_stats counts it.
  *
  * After fork() the child has no helpers: pthread_atfork resets the pool.
  */
 #ifndef SHMCACHE_GATHER_POOL_H
 #define SHMCACHE_GATHER_POOL_H
 
+#include <sched.h>
 #include <signal.h>
 #include <time.h>
 
 #define GATHER_GRAIN_BYTES (128 << 10)
 #define GATHER_SPIN_NS 300000
+#define GATHER_WAIT_NS 50000      /* a final wait this long, and over 1/4 of the job: back off */
+#define GATHER_BACKOFF_MIN 8      /* jobs run alone after the first such wait */
+#define GATHER_BACKOFF_MAX 1024
 
 typedef struct {
     pthread_mutex_t mu;
@@ -47,6 +64,9 @@ typedef struct {
     int64_t total, grain, next;   /* next: the first unclaimed task */
     uint64_t seq;                 /* bumped when a job is posted */
     int open, want, inside, sleeping, helpers, busy, atfork;
+    int64_t skip, backoff;                  /* jobs still to run alone; the next skip */
+    int64_t shared, skipped, backoffs;      /* counts, for gather_pool_stats */
+    int64_t test_delay_ns;                  /* tests only: helpers sleep this before each grain */
 } GatherPool;
 
 static GatherPool gather_pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
@@ -69,8 +89,10 @@ gather_now_ns(void)
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
+/* A helper is sharing the job for all its grains; the caller, for those it
+ * claims once a helper has joined (see shared_stream in _gather.h). */
 static void
-gather_take(GatherPool *p)
+gather_take(GatherPool *p, int helper)
 {
     GatherJob g = p->job;
     for (;;) {
@@ -78,6 +100,13 @@ gather_take(GatherPool *p)
         if (t >= p->total)
             return;
         g.begin = t, g.end = t + p->grain < p->total ? t + p->grain : p->total;
+        int64_t delay = __atomic_load_n(&p->test_delay_ns, __ATOMIC_RELAXED);
+        if (helper && delay) {
+            struct timespec d = {0, (long)delay};
+            nanosleep(&d, NULL);
+        }
+        g.stream = helper || __atomic_load_n(&p->inside, __ATOMIC_RELAXED) ? p->job.shared_stream
+                                                                          : p->job.stream;
         gather_run(&g);
     }
 }
@@ -91,8 +120,11 @@ gather_await(GatherPool *p, uint64_t seen)
         if (s != seen)
             return s;
         gather_pause();
-        if (k % 64 == 0 && gather_now_ns() > until)
-            break;
+        if (k % 64 == 0) {
+            if (gather_now_ns() > until)
+                break;
+            sched_yield();   /* a spinning helper gives way to any other runnable thread */
+        }
     }
     pthread_mutex_lock(&p->mu);
     p->sleeping++;
@@ -117,7 +149,7 @@ gather_helper(void *arg)
             __atomic_fetch_add(&p->inside, 1, __ATOMIC_RELAXED);
         pthread_mutex_unlock(&p->mu);
         if (join) {
-            gather_take(p);
+            gather_take(p, 1);
             __atomic_fetch_sub(&p->inside, 1, __ATOMIC_RELEASE);
         }
     }
@@ -131,6 +163,7 @@ gather_pool_forked(void)
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->wake, NULL);
     p->open = p->inside = p->sleeping = p->helpers = p->busy = 0;
+    p->skip = p->backoff = 0;
 }
 
 /* Under the mutex. Helpers block every signal: they belong to the caller. */
@@ -156,6 +189,11 @@ gather_pool_run(const GatherJob *j, int64_t total, int threads)
     GatherPool *p = &gather_pool;
     if (__atomic_exchange_n(&p->busy, 1, __ATOMIC_ACQUIRE))
         return 0;
+    if (p->skip > 0) {
+        p->skip--, p->skipped++;
+        __atomic_store_n(&p->busy, 0, __ATOMIC_RELEASE);
+        return 0;
+    }
     pthread_mutex_lock(&p->mu);
     if (!p->atfork)
         p->atfork = pthread_atfork(NULL, NULL, gather_pool_forked) == 0;
@@ -175,14 +213,32 @@ gather_pool_run(const GatherJob *j, int64_t total, int threads)
     if (p->sleeping)
         pthread_cond_broadcast(&p->wake);
     pthread_mutex_unlock(&p->mu);
-    gather_take(p);
+    int64_t t0 = gather_now_ns();
+    gather_take(p, 0);
     pthread_mutex_lock(&p->mu);
     p->open = 0;
     pthread_mutex_unlock(&p->mu);
+    int64_t t1 = gather_now_ns();
     while (__atomic_load_n(&p->inside, __ATOMIC_ACQUIRE))
         gather_pause();
+    int64_t t2 = gather_now_ns();
+    p->shared++;
+    if (t2 - t1 > GATHER_WAIT_NS && 4 * (t2 - t1) > t2 - t0) {
+        p->backoff = p->backoff < GATHER_BACKOFF_MIN ? GATHER_BACKOFF_MIN
+                   : p->backoff < GATHER_BACKOFF_MAX ? 2 * p->backoff : GATHER_BACKOFF_MAX;
+        p->skip = p->backoff, p->backoffs++;
+    } else {
+        p->backoff /= 2;
+    }
     __atomic_store_n(&p->busy, 0, __ATOMIC_RELEASE);
     return 1;
+}
+
+__attribute__((unused)) static void
+gather_pool_stats(int64_t out[4])
+{
+    GatherPool *p = &gather_pool;
+    out[0] = p->helpers, out[1] = p->shared, out[2] = p->skipped, out[3] = p->backoffs;
 }
 
 #endif

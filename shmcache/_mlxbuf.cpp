@@ -1,14 +1,17 @@
 // shmcache._mlxbuf: a KV read straight into new MLX arrays, made in the
 // calling thread (no evaluation, no zero fill).
 //
-// read_layer(arena, ids, layer, dtype, threads, threads_above[, stream_above])
+// read_layer(arena, ids, layer, dtype, threads, threads_above[, stream_above[,
+//            shared_stream_above]])
 //     -> (k, v) | None:
 //     one layer's K and V of the blocks `ids` from the pool's arena (a
 //     C-contiguous (L, max_blocks, 2, H, T, D) buffer, see layout), each an
 //     evaluated (H, len(ids)*T, D) array of `dtype`, gathered straight into
 //     one new buffer (see _gather.h) with the GIL released, on `threads`
 //     threads when K and V exceed `threads_above` bytes, else one, with
-//     non-temporal stores past `stream_above` bytes (see _gather.h). None
+//     non-temporal stores past `stream_above` bytes, or past
+//     `shared_stream_above` (default: stream_above) for what is copied while
+//     a helper thread shares the copy (see _gather.h). None
 //     (nothing done) unless ids is a list or tuple of plain ints in
 //     [0, max_blocks) and the result fits 2 GiB: the caller then takes its
 //     own, slower path, which also says what was wrong.
@@ -68,7 +71,8 @@ struct Buffer {
 static int64_t mod_page(int64_t x) { return ((x % kPage) + kPage) % kPage; }
 
 static nb::object read_layer(nb::handle arena, nb::handle ids, int layer, mx::Dtype dtype,
-                             int threads, int64_t threads_above, int64_t stream_above) {
+                             int threads, int64_t threads_above, int64_t stream_above,
+                             int64_t shared_stream_above) {
   Buffer a;
   if (PyObject_GetBuffer(arena.ptr(), &a.v, PyBUF_C_CONTIGUOUS) < 0)
     throw nb::python_error();
@@ -124,7 +128,8 @@ static nb::object read_layer(nb::handle arena, nb::handle ids, int layer, mx::Dt
   {
     nb::gil_scoped_release nogil;
     gather_copy(dst, src, id.data(), n, stride, so.data(), dof.data(), 2 * H, chunk,
-                2 * nbytes > threads_above ? threads : 1, stream_above);
+                2 * nbytes > threads_above ? threads : 1, stream_above,
+                shared_stream_above < 0 ? stream_above : shared_stream_above);
   }
   mx::Shape sh{static_cast<int>(H), static_cast<int>(n * T), static_cast<int>(D)};
   return nb::make_tuple(window(base, sh, dtype, dof[0] / isz), window(base, sh, dtype, dof[H] / isz));
@@ -133,6 +138,7 @@ static nb::object read_layer(nb::handle arena, nb::handle ids, int layer, mx::Dt
 NB_MODULE(_mlxbuf, m) {
   m.def("read_layer", &read_layer, nb::arg("arena"), nb::arg("ids").none(), nb::arg("layer"),
         nb::arg("dtype"), nb::arg("threads"), nb::arg("threads_above"),
-        nb::arg("stream_above") = int64_t(GATHER_STREAM_BYTES));
+        nb::arg("stream_above") = int64_t(GATHER_STREAM_BYTES),
+        nb::arg("shared_stream_above") = int64_t(-1));
   m.attr("MLX_VERSION") = STR(SHMCACHE_MLX_VERSION);
 }

@@ -121,22 +121,25 @@ def _l3_bytes(base: str = "/sys/devices/system/cpu/cpu0/cache"):
     return None
 
 
-def _stream_bytes(l3) -> int:
-    # NOTE: reads over this many bytes (K and V) use non-temporal stores (see
-    # _gather.h): 3/8 of the L3, i.e. past where the source and the result
-    # together no longer fit in 3/4 of it. Below that, ordinary stores leave
-    # the result in cache for the attention that reads it next, and were
-    # faster: in 4 interleaved rounds, 8 MiB reads with 2 threads went from
-    # 0.77-1.07x of np.copyto streamed to 1.32-1.83x not, while 16 MiB ones were faster streamed
-    # (1.63-1.78x against 1.06-1.35x), with a 32 MiB L3; ``python -m
-    # tools.profile_read_kv --blocks 512`` shows both (8 MiB: 339-370 us
-    # streamed, 221-224 not; 16 MiB: 758-774 against 1078-1655). Without
-    # /sys (not Linux) 4 MiB, as before; sysconf's L3 figure is not used
-    # because on this VM it says 320 MiB.
+def _shared_stream_bytes(l3) -> int:
+    # NOTE: what a read copies while a helper thread shares it (see
+    # _gather_pool.h) uses non-temporal stores past this many bytes (K and
+    # V): 3/8 of the L3, i.e. past where the source and the result together
+    # no longer fit in 3/4 of it. Below that, ordinary stores leave the result
+    # in cache for the attention that reads it next, and with two threads
+    # were faster: in 4 interleaved rounds, 8 MiB reads went from 0.77-1.07x
+    # of np.copyto streamed to 1.32-1.83x not, while 16 MiB ones were faster
+    # streamed (1.63-1.78x against 1.06-1.35x), with a 32 MiB L3. One thread
+    # alone is the other way round (8 MiB: 0.85-0.91x streamed, 0.32-0.69x
+    # not: one core's line-fill buffers are the limit, and ordinary stores
+    # also read each line first), so what the caller copies before a helper
+    # joins keeps _STAGED_BYTES (4 MiB). ``python -m tools.profile_read_kv
+    # --blocks 512`` shows both. Without /sys (not Linux) 4 MiB; sysconf's
+    # L3 figure is not used because on this VM it says 320 MiB.
     return max(_STAGED_BYTES, 3 * l3 // 8) if l3 else _STAGED_BYTES
 
 
-_STREAM_BYTES = _stream_bytes(_l3_bytes())
+_SHARED_STREAM_BYTES = _shared_stream_bytes(_l3_bytes())
 
 
 def _place(base: int, srcs, nbytes: int):
@@ -159,7 +162,7 @@ def _gather_into(p, buf, srcs, ids, offs, threads: int) -> None:
                     - p.arena.ctypes.data)[:, None] + hs * chunk
         dst_offs = np.array(offs, dtype=np.int64)[:, None] + hs * (n * chunk)
         _gather(buf, p.arena, ids, src_offs.ravel(), dst_offs.ravel(), chunk, threads, stride,
-                _STREAM_BYTES)
+                _STAGED_BYTES, _SHARED_STREAM_BYTES)
         return
     nbytes = H * n * chunk
     for s, o in zip(srcs, offs):
@@ -181,7 +184,7 @@ def read_fast(p, block_ids, layer: int):
     if nat is None:
         return None
     return nat.read_layer(p.arena, block_ids, layer, _DT[p.layout.dtype], _THREADS, _STAGED_BYTES,
-                          _STREAM_BYTES)
+                          _STAGED_BYTES, _SHARED_STREAM_BYTES)
 
 
 def read(p, block_ids, layer: int):

@@ -102,9 +102,12 @@ def test_threads_and_chunks(threads, chunk):
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("skew", [0, 8, 32])
-def test_large_copies_stream_exactly(threads, skew):
+@pytest.mark.parametrize("above", [(), (0, 0), (0, 1 << 62), (1 << 62, 0)])
+def test_large_copies_stream_exactly(threads, skew, above):
     # Over 4 MiB in 128-byte multiples: the non-temporal store path, which
-    # takes only 32-byte aligned destination chunks (skew 8: none are).
+    # takes only 32-byte aligned destination chunks (skew 8: none are);
+    # `above`: the default thresholds, or streaming alone and/or shared
+    # forced on or off, so that one copy mixes both kinds of store.
     rng = np.random.default_rng(skew + threads)
     chunk, nblk, m = 2048, 300, 8
     src = rng.integers(0, 256, nblk * m * chunk, dtype=np.uint8)
@@ -115,7 +118,7 @@ def test_large_copies_stream_exactly(threads, skew):
     assert m * len(ids) * chunk > 4 << 20
     want = dst.copy()
     reference(want, src, ids, so, do, chunk, m * chunk)
-    gather(dst, src, ids, so, do, chunk, threads, m * chunk)
+    gather(dst, src, ids, so, do, chunk, threads, m * chunk, *above)
     assert dst.tobytes() == want.tobytes()
 
 

@@ -139,3 +139,40 @@ def test_a_forked_child_starts_its_own_helpers():
         time.sleep(0.01)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
     assert dst.tobytes() == want.tobytes()
+
+
+@pytest.mark.timeout(120)
+def test_a_caller_held_up_by_its_helper_backs_off_then_comes_back():
+    # The test hook makes every helper grain start 5 ms late, as if the
+    # helper had been preempted: the caller's final wait then exceeds 50 us
+    # and a quarter of the job, and it runs the next 8 jobs alone. Results
+    # stay exact throughout.
+    from shmcache import _gather as g
+
+    def job(k):
+        dst, src, ids, so, do, want = _big_case(k)
+        gather(dst, src, ids, so, do, BIG["chunk"], 2)
+        assert dst.tobytes() == want.tobytes()
+
+    start = g.pool_stats()
+    g._set_helper_delay(5_000_000)
+    try:
+        for k in range(200):
+            job(k)
+            if g.pool_stats()["backoffs"] > start["backoffs"]:
+                break
+        mid = g.pool_stats()
+        assert mid["backoffs"] == start["backoffs"] + 1
+        for k in range(8):
+            job(k)
+        after = g.pool_stats()
+        assert after["skipped"] == mid["skipped"] + 8     # the 8 jobs ran alone
+        assert after["shared"] == mid["shared"]
+    finally:
+        g._set_helper_delay(0)
+    for k in range(40):                                    # no delay: sharing again
+        job(k)
+    end = g.pool_stats()
+    assert end["shared"] > after["shared"]
+    with pytest.raises(ValueError, match="delay"):
+        g._set_helper_delay(-1)

@@ -312,12 +312,12 @@ def test_empty_read(make_pool, monkeypatch, way):
 
 
 def test_stream_threshold_is_three_eighths_of_the_l3():
-    assert kvmod._stream_bytes(32 << 20) == 12 << 20
-    assert kvmod._stream_bytes(8 << 20) == kvmod._STAGED_BYTES     # never below 4 MiB
-    assert kvmod._stream_bytes(None) == kvmod._STAGED_BYTES        # L3 unknown
+    assert kvmod._shared_stream_bytes(32 << 20) == 12 << 20
+    assert kvmod._shared_stream_bytes(8 << 20) == kvmod._STAGED_BYTES     # never below 4 MiB
+    assert kvmod._shared_stream_bytes(None) == kvmod._STAGED_BYTES        # L3 unknown
     l3 = kvmod._l3_bytes()
     assert l3 is None or l3 >= 1 << 20
-    assert kvmod._STREAM_BYTES == kvmod._stream_bytes(l3)
+    assert kvmod._SHARED_STREAM_BYTES == kvmod._shared_stream_bytes(l3)
 
 
 def test_l3_read_from_sys(tmp_path):

@@ -253,6 +253,18 @@ def test_native_read_layer_threads_agree():
 
 
 @native
+@pytest.mark.parametrize("above", [(0, 0), (0, 1 << 62), (1 << 62, 0), (1 << 62, 1 << 62)])
+def test_native_read_layer_streamed_or_not_alone_or_shared(above):
+    # 8 MiB of K and V in 4 KiB chunks on two threads: streamed or ordinary
+    # stores for what the caller copies alone and for what it shares.
+    arena = arena_of(shape=(1, 600, 2, 4, 32, 32), dtype="float32", seed=6)
+    ids = np.random.default_rng(2).permutation(600)[:512].tolist()
+    want = layer_kv(arena, ids, 0)
+    k, v = mxbuf.native.read_layer(arena, ids, 0, mx.float32, 2, 0, *above)
+    assert np.array_equal(as_np(k), want[0]) and np.array_equal(as_np(v), want[1])
+
+
+@native
 def test_native_read_layer_keeps_its_buffer_alive():
     arena = arena_of(dtype="float32")
     want = layer_kv(arena, [1, 4], 0)

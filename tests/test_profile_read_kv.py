@@ -15,8 +15,8 @@ def test_profile_reports_every_piece_and_leaves_no_segment():
     want = {"read_kv + eval", "read_kv", "fallback: id check", "fallback: read + eval",
             "np.copyto, same bytes"}
     if mxbuf.native is not None:
-        want |= {"native read_layer, 1 thread", "native read_layer, 2 threads",
-                 "native read_layer, streamed", "native read_layer, not streamed"}
+        want |= {f"native read_layer, {t}{how}" for t in ("1 thread", "2 threads")
+                 for how in ("", ", streamed", ", not streamed")}
     if kvmod._gather is not None:
         want |= {"raw gather, shared arena", "raw gather, private copy"}
     assert set(out) == want

@@ -3,13 +3,13 @@
     python -m tools.profile_read_kv [--blocks 64 512] [--dtype float16 float32]
 
 For each size: the read evaluated and not; where the native module is built,
-its one call (``read_layer``) alone, with one thread and with two, and
-with its stores all non-temporal and all not (read_kv streams past 3/8 of
-the L3, see kv._stream_bytes); the fallback's pieces (the id check and the
-staged read); the raw C gather from
-the shared arena and from a private numpy copy of it (the difference is what
-shared memory costs), each into a buffer at the source's page offset; and
-np.copyto of the same bytes into a kept buffer. Medians of 301 calls,
+its one call (``read_layer``) alone, with one thread and with two, each at
+read_kv's thresholds for non-temporal stores (see kv._shared_stream_bytes)
+and with its stores all non-temporal and all not; the fallback's pieces
+(the id check and the staged read); the raw C gather from the shared arena
+and from a private numpy copy of it (the difference is what shared memory
+costs), each into a buffer at the source's page offset; and np.copyto of the
+same bytes into a kept buffer. Medians of 301 calls,
 microseconds. Leaves nothing in /dev/shm.
 """
 
@@ -46,13 +46,12 @@ def profile(n: int, dtype: str, heads: int = 4, block_size: int = 32, head_dim: 
         if mxbuf.native is not None:
             dt = kvmod._DT[dtype]
             for t in (1, 2):
-                out[f"native read_layer, {t} thread{'s' * (t > 1)}"] = _median_us(
-                    lambda: mx.eval(*mxbuf.native.read_layer(p.arena, ids_l, 0, dt, t, 0,
-                                                             kvmod._STREAM_BYTES)))
-            for what, above in (("streamed", 0), ("not streamed", 1 << 62)):
-                out[f"native read_layer, {what}"] = _median_us(
-                    lambda: mx.eval(*mxbuf.native.read_layer(p.arena, ids_l, 0, dt, kvmod._THREADS,
-                                                             kvmod._STAGED_BYTES, above)))
+                name = f"native read_layer, {t} thread{'s' * (t > 1)}"
+                for what, alone, shared in (("", kvmod._STAGED_BYTES, kvmod._SHARED_STREAM_BYTES),
+                                            (", streamed", 0, 0),
+                                            (", not streamed", 1 << 62, 1 << 62)):
+                    out[name + what] = _median_us(lambda: mx.eval(*mxbuf.native.read_layer(
+                        p.arena, ids_l, 0, dt, t, 0, alone, shared)))
         native, mxbuf.native = mxbuf.native, None
         try:
             out["fallback: read + eval"] = _median_us(lambda: mx.eval(*kvmod.read(p, ids_l, 0)))
@@ -90,7 +89,7 @@ def main(argv=None) -> None:
         for n in a.blocks:
             print(f"{n} blocks, {dtype}:")
             for k, v in profile(n, dtype).items():
-                print(f"  {k:32s} {v:9.1f} us")
+                print(f"  {k:40s} {v:9.1f} us")
 
 
 if __name__ == "__main__":

@@ -40,7 +40,10 @@
  * caller's final wait exceeds GATHER_WAIT_NS and a quarter of the job, it
  * runs the next GATHER_BACKOFF_MIN jobs alone, twice as many after each
  * such wait in a row (up to GATHER_BACKOFF_MAX), half as many after a good
- * one. gather_pool_stats counts it.
+ * one. Only jobs posted while every helper wanted was spinning count: a
+ * helper that has to start or wake is slow here anyway (above), and the
+ * first job after running alone always finds it asleep, so counting those
+ * kept the pool backing off for good. gather_pool_stats counts it.
  *
  * After fork() the child has no helpers: pthread_atfork resets the pool.
  */
@@ -63,7 +66,7 @@ typedef struct {
     GatherJob job;
     int64_t total, grain, next;   /* next: the first unclaimed task */
     uint64_t seq;                 /* bumped when a job is posted */
-    int open, want, inside, sleeping, helpers, busy, atfork;
+    int open, want, inside, sleeping, spinning, helpers, busy, atfork;
     int64_t skip, backoff;                  /* jobs still to run alone; the next skip */
     int64_t shared, skipped, backoffs;      /* counts, for gather_pool_stats */
     int64_t test_delay_ns;                  /* tests only: helpers sleep this before each grain */
@@ -115,10 +118,13 @@ static uint64_t
 gather_await(GatherPool *p, uint64_t seen)
 {
     int64_t until = gather_now_ns() + GATHER_SPIN_NS;
+    __atomic_fetch_add(&p->spinning, 1, __ATOMIC_RELAXED);
     for (unsigned k = 1;; k++) {
         uint64_t s = __atomic_load_n(&p->seq, __ATOMIC_ACQUIRE);
-        if (s != seen)
+        if (s != seen) {
+            __atomic_fetch_sub(&p->spinning, 1, __ATOMIC_RELAXED);
             return s;
+        }
         gather_pause();
         if (k % 64 == 0) {
             if (gather_now_ns() > until)
@@ -126,6 +132,7 @@ gather_await(GatherPool *p, uint64_t seen)
             sched_yield();   /* a spinning helper gives way to any other runnable thread */
         }
     }
+    __atomic_fetch_sub(&p->spinning, 1, __ATOMIC_RELAXED);
     pthread_mutex_lock(&p->mu);
     p->sleeping++;
     while (__atomic_load_n(&p->seq, __ATOMIC_RELAXED) == seen)
@@ -162,7 +169,7 @@ gather_pool_forked(void)
     GatherPool *p = &gather_pool;
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->wake, NULL);
-    p->open = p->inside = p->sleeping = p->helpers = p->busy = 0;
+    p->open = p->inside = p->sleeping = p->spinning = p->helpers = p->busy = 0;
     p->skip = p->backoff = 0;
 }
 
@@ -209,6 +216,7 @@ gather_pool_run(const GatherJob *j, int64_t total, int threads)
     p->next = 0;
     p->want = threads - 1;
     p->open = 1;
+    int hot = __atomic_load_n(&p->spinning, __ATOMIC_RELAXED) >= p->want;
     __atomic_store_n(&p->seq, p->seq + 1, __ATOMIC_RELEASE);
     if (p->sleeping)
         pthread_cond_broadcast(&p->wake);
@@ -223,7 +231,9 @@ gather_pool_run(const GatherJob *j, int64_t total, int threads)
         gather_pause();
     int64_t t2 = gather_now_ns();
     p->shared++;
-    if (t2 - t1 > GATHER_WAIT_NS && 4 * (t2 - t1) > t2 - t0) {
+    if (!hot) {
+        /* a helper had to start or wake: that it came late says nothing */
+    } else if (t2 - t1 > GATHER_WAIT_NS && 4 * (t2 - t1) > t2 - t0) {
         p->backoff = p->backoff < GATHER_BACKOFF_MIN ? GATHER_BACKOFF_MIN
                    : p->backoff < GATHER_BACKOFF_MAX ? 2 * p->backoff : GATHER_BACKOFF_MAX;
         p->skip = p->backoff, p->backoffs++;

@@ -16,6 +16,9 @@
 //     [0, max_blocks) and the result fits 2 GiB: the caller then takes its
 //     own, slower path, which also says what was wrong.
 //
+// pool_stats() -> dict: what this module's helper pool did (see
+//     _gather_pool.h), as shmcache._gather.pool_stats.
+//
 // NOTE: why C++: MLX's Python API has no uninitialised arrays and cannot
 // adopt CPU memory without a copy, so a gather into a new array otherwise
 // pays a zero fill or a second copy plus a hand-off to MLX's stream thread to
@@ -140,5 +143,12 @@ NB_MODULE(_mlxbuf, m) {
         nb::arg("dtype"), nb::arg("threads"), nb::arg("threads_above"),
         nb::arg("stream_above") = int64_t(GATHER_STREAM_BYTES),
         nb::arg("shared_stream_above") = int64_t(-1));
+  m.def("pool_stats", []() {
+    int64_t c[4];
+    gather_pool_stats(c);
+    nb::dict d;
+    d["helpers"] = c[0], d["shared"] = c[1], d["skipped"] = c[2], d["backoffs"] = c[3];
+    return d;
+  });
   m.attr("MLX_VERSION") = STR(SHMCACHE_MLX_VERSION);
 }

@@ -265,6 +265,18 @@ def test_native_read_layer_streamed_or_not_alone_or_shared(above):
 
 
 @native
+def test_native_pool_stats_count_threaded_reads():
+    arena = arena_of(shape=(1, 64, 2, 4, 4, 8), dtype="float32", seed=5)
+    before = mxbuf.native.pool_stats()
+    assert set(before) == {"helpers", "shared", "skipped", "backoffs"}
+    mxbuf.native.read_layer(arena, list(range(40)), 0, mx.float32, 2, 0)    # shares or skips
+    mxbuf.native.read_layer(arena, list(range(40)), 0, mx.float32, 1, 0)    # one thread: neither
+    after = mxbuf.native.pool_stats()
+    assert after["shared"] + after["skipped"] == before["shared"] + before["skipped"] + 1
+    assert after["helpers"] >= 1
+
+
+@native
 def test_native_read_layer_keeps_its_buffer_alive():
     arena = arena_of(dtype="float32")
     want = layer_kv(arena, [1, 4], 0)

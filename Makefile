@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py shmcache/_hot.c shmcache/_gather.c shmcache/_gather.h shmcache/_gather_pool.h shmcache/_mlxbuf.cpp
+$(STAMP): pyproject.toml setup.py shmcache/_hot.c shmcache/_hot_mutex.h shmcache/_gather.c shmcache/_gather.h shmcache/_gather_pool.h shmcache/_mlxbuf.cpp
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test]'

@@ -52,7 +52,8 @@ def _mlxbuf():
 
 
 setup(ext_modules=[
-    Extension("shmcache._hot", ["shmcache/_hot.c"], optional=True, extra_compile_args=_FLAGS),
+    Extension("shmcache._hot", ["shmcache/_hot.c"], depends=["shmcache/_hot_mutex.h"], optional=True,
+              extra_compile_args=_FLAGS),
     Extension("shmcache._gather", ["shmcache/_gather.c"], depends=["shmcache/_gather.h", "shmcache/_gather_pool.h"], optional=True,
               extra_compile_args=_FLAGS + ["-pthread"], extra_link_args=["-pthread"]),
     *_mlxbuf(),

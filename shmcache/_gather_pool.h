@@ -15,7 +15,9 @@
  * `open`; the caller closes it under the same mutex once it finds no task
  * left to claim, then waits until `inside` (helpers that joined) is zero.
  * `next` and the job are only reset by the next call, under the mutex, with
- * no helper inside, so a late helper cannot claim from a half-set job.
+ * no helper inside (only one caller at a time gets past `busy`, and it
+ * clears `busy` only once `inside` is zero), so a late helper cannot claim
+ * from a half-set job.
  *
  * NOTE: why helpers are kept, and spin before they sleep: on the development
  * VM (2 vCPUs) an 8 MiB memcpy split over two threads took 101-131 us with a
@@ -38,14 +40,21 @@
  * a CPU-bound process on the second vCPU, 512-block float16 reads went to
  * 0.27-0.35x of np.copyto on two threads against 0.90x on one. So when the
  * caller's final wait exceeds GATHER_WAIT_NS and a quarter of the job, it
- * runs the next GATHER_BACKOFF_MIN jobs alone, twice as many after each
- * such wait in a row (up to GATHER_BACKOFF_MAX), half as many after a good
- * one. Only jobs posted while every helper wanted was spinning count: a
- * helper that has to start or wake is slow here anyway (above), and the
- * first job after running alone always finds it asleep, so counting those
- * kept the pool backing off for good. gather_pool_stats counts it.
+ * runs the next `backoff` jobs alone: GATHER_BACKOFF_MIN at first, twice the
+ * last count after each further bad job (up to GATHER_BACKOFF_MAX), while a
+ * good job halves it. The first job after a run alone, and the first after
+ * starting a helper, are not judged: the helper has usually gone to sleep
+ * by then (or is new), and is slow to start here (above); judging that job
+ * kept the pool backing off for good. Jobs that are always far apart find
+ * the helper asleep every time and are judged as they come: if a woken
+ * helper costs more than it saves, running alone is right for them.
+ * gather_pool_stats counts what happened.
  *
- * After fork() the child has no helpers: pthread_atfork resets the pool.
+ * After fork() the child has no helpers: pthread_atfork holds the mutex
+ * across the fork and resets the pool in the child. Helpers block the
+ * asynchronous signals (they are the caller's to handle), not the ones a
+ * fault raises (SIGBUS if the shared file shrinks under a read, say), so
+ * that those still kill the process with a report.
  */
 #ifndef SHMCACHE_GATHER_POOL_H
 #define SHMCACHE_GATHER_POOL_H
@@ -56,8 +65,8 @@
 
 #define GATHER_GRAIN_BYTES (128 << 10)
 #define GATHER_SPIN_NS 300000
-#define GATHER_WAIT_NS 50000      /* a final wait this long, and over 1/4 of the job: back off */
-#define GATHER_BACKOFF_MIN 8      /* jobs run alone after the first such wait */
+#define GATHER_WAIT_NS 50000      /* a final wait this long, and over 1/4 of the job: bad */
+#define GATHER_BACKOFF_MIN 8      /* jobs run alone after the first bad one */
 #define GATHER_BACKOFF_MAX 1024
 
 typedef struct {
@@ -66,8 +75,9 @@ typedef struct {
     GatherJob job;
     int64_t total, grain, next;   /* next: the first unclaimed task */
     uint64_t seq;                 /* bumped when a job is posted */
-    int open, want, inside, sleeping, spinning, helpers, busy, atfork;
-    int64_t skip, backoff;                  /* jobs still to run alone; the next skip */
+    int open, want, inside, sleeping, helpers, busy, atfork, grow_failed;
+    int64_t skip, backoff;        /* jobs still to run alone; the last such count */
+    int fresh;                    /* the next job is not judged (see the back-off NOTE) */
     int64_t shared, skipped, backoffs;      /* counts, for gather_pool_stats */
     int64_t test_delay_ns;                  /* tests only: helpers sleep this before each grain */
 } GatherPool;
@@ -80,7 +90,7 @@ gather_pause(void)
 #if defined(__x86_64__)
     _mm_pause();
 #elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
+    __asm__ __volatile__("isb");
 #endif
 }
 
@@ -118,13 +128,10 @@ static uint64_t
 gather_await(GatherPool *p, uint64_t seen)
 {
     int64_t until = gather_now_ns() + GATHER_SPIN_NS;
-    __atomic_fetch_add(&p->spinning, 1, __ATOMIC_RELAXED);
     for (unsigned k = 1;; k++) {
         uint64_t s = __atomic_load_n(&p->seq, __ATOMIC_ACQUIRE);
-        if (s != seen) {
-            __atomic_fetch_sub(&p->spinning, 1, __ATOMIC_RELAXED);
+        if (s != seen)
             return s;
-        }
         gather_pause();
         if (k % 64 == 0) {
             if (gather_now_ns() > until)
@@ -132,7 +139,6 @@ gather_await(GatherPool *p, uint64_t seen)
             sched_yield();   /* a spinning helper gives way to any other runnable thread */
         }
     }
-    __atomic_fetch_sub(&p->spinning, 1, __ATOMIC_RELAXED);
     pthread_mutex_lock(&p->mu);
     p->sleeping++;
     while (__atomic_load_n(&p->seq, __ATOMIC_RELAXED) == seen)
@@ -151,7 +157,8 @@ gather_helper(void *arg)
     for (;;) {
         seen = gather_await(p, seen);
         pthread_mutex_lock(&p->mu);
-        int join = p->open && p->seq == seen && p->inside < p->want;
+        int join = p->open && p->seq == seen &&
+                   __atomic_load_n(&p->inside, __ATOMIC_RELAXED) < p->want;
         if (join)
             __atomic_fetch_add(&p->inside, 1, __ATOMIC_RELAXED);
         pthread_mutex_unlock(&p->mu);
@@ -164,28 +171,48 @@ gather_helper(void *arg)
 }
 
 static void
-gather_pool_forked(void)
+gather_pool_prefork(void)
 {
-    GatherPool *p = &gather_pool;
-    pthread_mutex_init(&p->mu, NULL);
-    pthread_cond_init(&p->wake, NULL);
-    p->open = p->inside = p->sleeping = p->spinning = p->helpers = p->busy = 0;
-    p->skip = p->backoff = 0;
+    pthread_mutex_lock(&gather_pool.mu);
 }
 
-/* Under the mutex. Helpers block every signal: they belong to the caller. */
+static void
+gather_pool_postfork_parent(void)
+{
+    pthread_mutex_unlock(&gather_pool.mu);
+}
+
+static void
+gather_pool_postfork_child(void)
+{
+    GatherPool *p = &gather_pool;
+    pthread_mutex_unlock(&p->mu);      /* this thread locked it before the fork */
+    pthread_cond_init(&p->wake, NULL); /* its waiters were the parent's helpers */
+    p->open = p->inside = p->sleeping = p->helpers = p->busy = p->grow_failed = 0;
+    p->skip = p->backoff = 0;
+    p->fresh = 1;
+}
+
+/* Under the mutex. Once pthread_create has failed it is not tried again. */
 static void
 gather_pool_grow(GatherPool *p, int helpers)
 {
-    sigset_t all, old;
-    sigfillset(&all);
-    pthread_sigmask(SIG_SETMASK, &all, &old);
+    sigset_t sigs, old;
+    if (p->helpers >= helpers || p->grow_failed)
+        return;
+    sigfillset(&sigs);
+    sigdelset(&sigs, SIGBUS), sigdelset(&sigs, SIGSEGV);
+    sigdelset(&sigs, SIGFPE), sigdelset(&sigs, SIGILL);
+    pthread_sigmask(SIG_SETMASK, &sigs, &old);
     while (p->helpers < helpers) {
         pthread_t t;
-        if (pthread_create(&t, NULL, gather_helper, p) != 0)
+        if (pthread_create(&t, NULL, gather_helper, p) != 0) {
+            p->grow_failed = 1;
             break;
+        }
         pthread_detach(t);
-        p->helpers++;
+        __atomic_fetch_add(&p->helpers, 1, __ATOMIC_RELAXED);
+        p->fresh = 1;
     }
     pthread_sigmask(SIG_SETMASK, &old, NULL);
 }
@@ -197,26 +224,29 @@ gather_pool_run(const GatherJob *j, int64_t total, int threads)
     if (__atomic_exchange_n(&p->busy, 1, __ATOMIC_ACQUIRE))
         return 0;
     if (p->skip > 0) {
-        p->skip--, p->skipped++;
+        p->skip--, p->fresh = 1;
+        __atomic_fetch_add(&p->skipped, 1, __ATOMIC_RELAXED);
         __atomic_store_n(&p->busy, 0, __ATOMIC_RELEASE);
         return 0;
     }
     pthread_mutex_lock(&p->mu);
     if (!p->atfork)
-        p->atfork = pthread_atfork(NULL, NULL, gather_pool_forked) == 0;
+        p->atfork = pthread_atfork(gather_pool_prefork, gather_pool_postfork_parent,
+                                   gather_pool_postfork_child) == 0;
     gather_pool_grow(p, threads - 1);
     if (p->helpers == 0) {
         pthread_mutex_unlock(&p->mu);
         __atomic_store_n(&p->busy, 0, __ATOMIC_RELEASE);
         return 0;
     }
+    int judged = !p->fresh;
+    p->fresh = 0;
     p->job = *j;
     p->total = total;
     p->grain = j->chunk < GATHER_GRAIN_BYTES ? GATHER_GRAIN_BYTES / j->chunk : 1;
     p->next = 0;
     p->want = threads - 1;
     p->open = 1;
-    int hot = __atomic_load_n(&p->spinning, __ATOMIC_RELAXED) >= p->want;
     __atomic_store_n(&p->seq, p->seq + 1, __ATOMIC_RELEASE);
     if (p->sleeping)
         pthread_cond_broadcast(&p->wake);
@@ -227,17 +257,19 @@ gather_pool_run(const GatherJob *j, int64_t total, int threads)
     p->open = 0;
     pthread_mutex_unlock(&p->mu);
     int64_t t1 = gather_now_ns();
-    while (__atomic_load_n(&p->inside, __ATOMIC_ACQUIRE))
+    for (unsigned k = 1; __atomic_load_n(&p->inside, __ATOMIC_ACQUIRE); k++) {
         gather_pause();
+        if (k % 64 == 0)
+            sched_yield();   /* the helper we wait for may want this CPU */
+    }
     int64_t t2 = gather_now_ns();
-    p->shared++;
-    if (!hot) {
-        /* a helper had to start or wake: that it came late says nothing */
-    } else if (t2 - t1 > GATHER_WAIT_NS && 4 * (t2 - t1) > t2 - t0) {
+    __atomic_fetch_add(&p->shared, 1, __ATOMIC_RELAXED);
+    if (judged && t2 - t1 > GATHER_WAIT_NS && 4 * (t2 - t1) > t2 - t0) {
         p->backoff = p->backoff < GATHER_BACKOFF_MIN ? GATHER_BACKOFF_MIN
                    : p->backoff < GATHER_BACKOFF_MAX ? 2 * p->backoff : GATHER_BACKOFF_MAX;
-        p->skip = p->backoff, p->backoffs++;
-    } else {
+        p->skip = p->backoff;
+        __atomic_fetch_add(&p->backoffs, 1, __ATOMIC_RELAXED);
+    } else if (judged) {
         p->backoff /= 2;
     }
     __atomic_store_n(&p->busy, 0, __ATOMIC_RELEASE);
@@ -248,7 +280,10 @@ __attribute__((unused)) static void
 gather_pool_stats(int64_t out[4])
 {
     GatherPool *p = &gather_pool;
-    out[0] = p->helpers, out[1] = p->shared, out[2] = p->skipped, out[3] = p->backoffs;
+    out[0] = __atomic_load_n(&p->helpers, __ATOMIC_RELAXED);
+    out[1] = __atomic_load_n(&p->shared, __ATOMIC_RELAXED);
+    out[2] = __atomic_load_n(&p->skipped, __ATOMIC_RELAXED);
+    out[3] = __atomic_load_n(&p->backoffs, __ATOMIC_RELAXED);
 }
 
 #endif

@@ -1,0 +1,217 @@
+/* shmcache/_hot_mutex.h: the pool mutex, and how shmcache._hot's fused ops
+ * take it. Included by _hot.c only (after Python.h).
+ *
+ * Hot is the Python object: a writable buffer over the pool's mapping and
+ * the offsets (a tuple of ints, in the order of the P_ enum) of the mutex,
+ * the counters and every field the fused ops touch (see layout.py).
+ *
+ * The pool lock is a process-shared *robust* pthread mutex that lives in the
+ * pool header (layout.MUTEX_OFF): locking it costs no system call when it is
+ * free, and when its holder dies the kernel hands it to the next locker with
+ * EOWNERDEAD (we make it consistent at once and return 1, so that the caller
+ * looks at the pool's dirty mark and repairs if the holder died mid-update).
+ *
+ * A fused op enters (spin briefly for the lock, then check that the pool is
+ * clean and the manager's view current), marks the pool dirty before its
+ * first shared write (begin_update) and leaves (clears the mark after its
+ * last write, unlocks).
+ */
+#ifndef SHMCACHE_HOT_MUTEX_H
+#define SHMCACHE_HOT_MUTEX_H
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+
+/* The parameters Hot() takes, in this order (a tuple of ints). */
+enum {
+    P_MUTEX_OFF, P_COUNTERS_OFF,
+    P_BLOCKS_OFF, P_BLOCK_SIZE, P_B_REF, P_B_PREV, P_B_NEXT, P_B_FLAGS, P_B_TOK, P_B_LAST,
+    P_REFS_OFF, P_REF_SIZE, P_R_BLOCK, P_R_NEXT,
+    P_SLOTS_OFF, P_SLOT_SIZE, P_S_HEAD, P_S_COUNT,
+    P_MAX_BLOCKS, P_MAX_SLOTS, P_FLAG_CACHED,
+    P_C_DIRTY, P_C_NUM_FREE, P_C_FREE_REF, P_C_FREE_REFS, P_C_OPS, P_C_EPOCH, P_C_HOLDER,
+    P_COUNT
+};
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer view;
+    int has_view;
+    char *base;
+    pthread_mutex_t *mutex;
+    int64_t *c;
+    Py_ssize_t p[P_COUNT];
+    double created_at;
+} Hot;
+
+#define FENCE() __atomic_thread_fence(__ATOMIC_SEQ_CST)
+#define BF(h, b, f, T) (*(T *)((h)->base + (h)->p[P_BLOCKS_OFF] + (int64_t)(b) * (h)->p[P_BLOCK_SIZE] + (h)->p[f]))
+#define REF(h, b) BF(h, b, P_B_REF, int32_t)
+#define PREV(h, b) BF(h, b, P_B_PREV, int32_t)
+#define NEXT(h, b) BF(h, b, P_B_NEXT, int32_t)
+#define FLAGS(h, b) BF(h, b, P_B_FLAGS, uint16_t)
+#define TOK(h, b) BF(h, b, P_B_TOK, uint16_t)
+#define LAST(h, b) BF(h, b, P_B_LAST, float)
+#define RF(h, r, f) (*(int32_t *)((h)->base + (h)->p[P_REFS_OFF] + (int64_t)(r) * (h)->p[P_REF_SIZE] + (h)->p[f]))
+#define RBLOCK(h, r) RF(h, r, P_R_BLOCK)
+#define RNEXT(h, r) RF(h, r, P_R_NEXT)
+#define SF(h, s, f) (*(int32_t *)((h)->base + (h)->p[P_SLOTS_OFF] + (int64_t)(s) * (h)->p[P_SLOT_SIZE] + (h)->p[f]))
+#define C(h, i) ((h)->c[(h)->p[i]])
+
+static int
+hot_ready(Hot *h)
+{
+    if (!h->has_view) {
+        PyErr_SetString(PyExc_ValueError, "pool mapping already released");
+        return 0;
+    }
+    return 1;
+}
+
+/* ------------------------------------------------------------- the mutex */
+
+static PyObject *
+Hot_init_mutex(Hot *self, PyObject *unused)
+{
+    pthread_mutexattr_t a;
+    int e;
+    if (!hot_ready(self))
+        return NULL;
+    if ((e = pthread_mutexattr_init(&a)) ||
+        (e = pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED)) ||
+        (e = pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST)) ||
+        (e = pthread_mutexattr_settype(&a, PTHREAD_MUTEX_ERRORCHECK)) ||
+        (e = pthread_mutex_init(self->mutex, &a))) {
+        errno = e;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    pthread_mutexattr_destroy(&a);
+    Py_RETURN_NONE;
+}
+
+/* Taken from a holder that died: make the mutex usable again and mark the
+ * pool dirty, so that whoever holds it next repairs (and reclaims the dead
+ * holder's references) whether or not it died mid-update. */
+static void
+owner_died(Hot *h)
+{
+    pthread_mutex_consistent(h->mutex);
+    C(h, P_C_DIRTY) = 1;
+    FENCE();
+}
+
+/* 0: locked; 1: locked, the previous holder died holding it; -1: busy. */
+static int
+try_lock(Hot *h)
+{
+    int e = pthread_mutex_trylock(h->mutex);
+    if (e == 0)
+        return 0;
+    if (e == EOWNERDEAD) {
+        owner_died(h);
+        return 1;
+    }
+    return -1;
+}
+
+static PyObject *
+Hot_trylock(Hot *self, PyObject *unused)
+{
+    if (!hot_ready(self))
+        return NULL;
+    return PyLong_FromLong(try_lock(self));
+}
+
+static PyObject *
+Hot_lock(Hot *self, PyObject *unused)
+{
+    int e;
+    if (!hot_ready(self))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    e = pthread_mutex_lock(self->mutex);
+    if (e == EOWNERDEAD)
+        owner_died(self);
+    Py_END_ALLOW_THREADS
+    if (e == 0 || e == EOWNERDEAD)
+        return PyLong_FromLong(e == EOWNERDEAD);
+    errno = e;
+    return PyErr_SetFromErrno(PyExc_OSError);
+}
+
+static PyObject *
+Hot_unlock(Hot *self, PyObject *unused)
+{
+    int e;
+    if (!hot_ready(self))
+        return NULL;
+    if ((e = pthread_mutex_unlock(self->mutex))) {
+        errno = e;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------- how a fused op takes the lock */
+
+static inline void
+cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* A fused op holds the lock for a microsecond or two, so when it is busy a
+ * short spin usually gets it: far cheaper than the slow path's sleep in
+ * futex() and wake-up. Bounded (a few tens of microseconds): the holder may
+ * be a thread of this process waiting for the GIL we hold. */
+static int
+spin_lock(Hot *h)
+{
+    int st = try_lock(h);
+    for (int i = 0; st < 0 && i < 256; i++) {
+        for (int k = 0; k < 16; k++)
+            cpu_relax();
+        st = try_lock(h);
+    }
+    return st;
+}
+
+/* Take the lock for a fused op; 0 if the op may go on (lock held, pool
+ * clean, the manager's view current), -1 (lock not held) otherwise. */
+static int
+enter(Hot *h, long long epoch, int slot)
+{
+    if (spin_lock(h) < 0)
+        return -1;
+    if (C(h, P_C_DIRTY) || C(h, P_C_EPOCH) != epoch) {
+        pthread_mutex_unlock(h->mutex);
+        return -1;
+    }
+    C(h, P_C_HOLDER) = slot;
+    return 0;
+}
+
+static void
+leave(Hot *h, int changed)
+{
+    C(h, P_C_OPS) += 1;
+    if (changed) {
+        FENCE();
+        C(h, P_C_DIRTY) = 0;
+    }
+    pthread_mutex_unlock(h->mutex);
+}
+
+static void
+begin_update(Hot *h)
+{
+    C(h, P_C_DIRTY) = 1;
+    FENCE();
+}
+
+#endif

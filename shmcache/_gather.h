@@ -8,8 +8,8 @@
  * src + src_offs[j] + ids[i]*stride to dst + dst_offs[j] + i*chunk, block by
  * block (i outer), split over `threads` threads (the caller's plus up to
  * threads-1 kept helpers, see _gather_pool.h). In the arena (see layout) a
- * block's K and V of all heads in one layer are 2*H consecutive chunks, so j runs over (K|V, head) and the source is
- * read in runs of 2*H*chunk bytes.
+ * block's K and V of all heads in one layer are 2*H consecutive chunks, so
+ * j runs over (K|V, head) and the source is read in runs of 2*H*chunk bytes.
  *
  * gather_check(...) returns NULL when every such copy stays inside both
  * buffers, else a message naming what is out of bounds (written into msg).

@@ -108,7 +108,11 @@ _STAGED_BYTES = 4 << 20
 
 def _l3_bytes(base: str = "/sys/devices/system/cpu/cpu0/cache"):
     try:
-        for idx in sorted(os.listdir(base)):
+        entries = sorted(e for e in os.listdir(base) if e.startswith("index"))
+    except OSError:
+        return None
+    for idx in entries:
+        try:
             with open(f"{base}/{idx}/level") as f:
                 if f.read().strip() != "3":
                     continue
@@ -116,8 +120,8 @@ def _l3_bytes(base: str = "/sys/devices/system/cpu/cpu0/cache"):
                 size = f.read().strip()
             unit = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 1)
             return int(size.rstrip("KM")) * unit
-    except (OSError, ValueError):
-        pass
+        except (OSError, ValueError):
+            continue
     return None
 
 

@@ -326,6 +326,8 @@ def test_l3_read_from_sys(tmp_path):
         (tmp_path / idx).mkdir()
         (tmp_path / idx / "level").write_text(level + "\n")
         (tmp_path / idx / "size").write_text(size + "\n")
+    (tmp_path / "uevent").write_text("")            # other entries are passed over
+    (tmp_path / "power").mkdir()
     assert kvmod._l3_bytes(str(tmp_path)) == 32 << 20
     (tmp_path / "index3" / "size").write_text("32M\n")
     assert kvmod._l3_bytes(str(tmp_path)) == 32 << 20

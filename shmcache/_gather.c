@@ -8,14 +8,13 @@
  * dst + dst_offsets[j] + i*chunk, with non-temporal stores when the copy
  * exceeds stream_above bytes (default 4 MiB), or shared_stream_above
  * (default stream_above) for what is copied while a helper thread shares
- * it (see _gather.h). In the arena
- * (see layout) i runs over the requested blocks and j over (K|V, head) of
- * one layer.
+ * it (see _gather.h). In the arena (see layout) i runs over the requested
+ * blocks and j over (K|V, head) of one layer.
  *
  * Every offset is checked against both buffers before anything is copied
  * (ValueError otherwise, nothing written), and the copy runs with the GIL
- * released, split over `threads` threads (the caller's plus threads-1 kept helpers,
- * see _gather_pool.h).
+ * released, split over `threads` threads (the caller's plus threads-1 kept
+ * helpers, see _gather_pool.h).
  *
  * pool_stats() counts what the helper pool did (see _gather_pool.h).
  *

@@ -13,10 +13,13 @@ CODE = r"""
 import os, sys, time, shmcache
 m = shmcache.attach(sys.argv[1])
 m.get_new_blocks(3)
+r, w = os.pipe()
 child = os.fork()
 if child == 0:          # inherits the manager's descriptors, never uses them
+    os.write(w, b"x")   # by now the at-fork handler has dropped its liveness fd
     time.sleep(60)
     os._exit(0)
+os.read(r, 1)           # so the parent's death is seen as soon as it happens
 print(child, flush=True)
 time.sleep(60)
 """

@@ -411,6 +411,7 @@ static PyMethodDef Hot_methods[] = {
     {"trylock", (PyCFunction)Hot_trylock, METH_NOARGS, "0 locked, 1 locked after the holder died, -1 busy."},
     {"lock", (PyCFunction)Hot_lock, METH_NOARGS, "Wait for the lock (GIL released); 1 if the holder died."},
     {"unlock", (PyCFunction)Hot_unlock, METH_NOARGS, "Release the lock."},
+    {"lock_slices", (PyCFunction)Hot_lock_slices, METH_NOARGS, "Timed-lock slices this process let run out (a test hook)."},
     {"alloc", (PyCFunction)Hot_alloc, METH_VARARGS, "alloc(n, slot, epoch, loose) -> ids or None."},
     {"free", (PyCFunction)Hot_free, METH_VARARGS, "free(ids, slot, epoch, loose) -> freed or None."},
     {NULL}

@@ -22,6 +22,7 @@
 #include <errno.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <time.h>
 
 /* The parameters Hot() takes, in this order (a tuple of ints). */
 enum {
@@ -123,6 +124,44 @@ Hot_trylock(Hot *self, PyObject *unused)
     return PyLong_FromLong(try_lock(self));
 }
 
+/* How long one futex sleep on the pool lock may last before the waiter
+ * looks at the lock word again (see lock_bounded). */
+#define LOCK_SLICE_NS 10000000L     /* 10 ms */
+
+/* pthread_mutex_lock, but no sleep lasts longer than LOCK_SLICE_NS.
+ *
+ * NOTE: a plain lock can sleep forever on a free lock. glibc's unlock wakes
+ * one waiter only when the word carries FUTEX_WAITERS; if the woken waiter
+ * is SIGKILLed before it runs while a third process took the free lock by
+ * CAS (the word then has no FUTEX_WAITERS bit, and the kernel's exit
+ * handling wakes nobody because the word names a live owner), or an
+ * unlocker dies between clearing the word and the wake, the remaining
+ * waiters are never woken. A timed lock in a loop re-reads the word every
+ * slice, so a live waiter notices a free lock within LOCK_SLICE_NS.
+ * `slices` counts the slices that ran out (a test hook: how the waiter
+ * got the lock). */
+static int
+lock_bounded(pthread_mutex_t *m, long *slices)
+{
+    for (;;) {
+        struct timespec ts;
+        int e;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        ts.tv_nsec += LOCK_SLICE_NS;
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec += 1;
+            ts.tv_nsec -= 1000000000L;
+        }
+        e = pthread_mutex_clocklock(m, CLOCK_MONOTONIC, &ts);
+        if (e != ETIMEDOUT)
+            return e;
+        if (slices)
+            (*slices)++;
+    }
+}
+
+static long lock_slices_expired;   /* this process's count, for tests */
+
 static PyObject *
 Hot_lock(Hot *self, PyObject *unused)
 {
@@ -130,7 +169,7 @@ Hot_lock(Hot *self, PyObject *unused)
     if (!hot_ready(self))
         return NULL;
     Py_BEGIN_ALLOW_THREADS
-    e = pthread_mutex_lock(self->mutex);
+    e = lock_bounded(self->mutex, &lock_slices_expired);
     if (e == EOWNERDEAD)
         owner_died(self);
     Py_END_ALLOW_THREADS
@@ -138,6 +177,12 @@ Hot_lock(Hot *self, PyObject *unused)
         return PyLong_FromLong(e == EOWNERDEAD);
     errno = e;
     return PyErr_SetFromErrno(PyExc_OSError);
+}
+
+static PyObject *
+Hot_lock_slices(Hot *self, PyObject *unused)
+{
+    return PyLong_FromLong(lock_slices_expired);
 }
 
 static PyObject *

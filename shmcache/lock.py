@@ -71,6 +71,7 @@ class PoolLock:
         self._keep_dirty = 0
         self.check_usable = None    # raises once the owner is closed or forked
         self.unusable = False       # set with it, so the hot path tests a flag
+        self.wait_log = None        # a list to append each slow-path wait (ns) to
 
     def __enter__(self):
         self._tlock.acquire()
@@ -102,6 +103,8 @@ class PoolLock:
         t0 = time.perf_counter_ns()
         self.native.lock()
         waited = time.perf_counter_ns() - t0
+        if self.wait_log is not None:
+            self.wait_log.append(waited)
         if waited > self._c[C_LOCK_WAIT_NS]:
             self._c[C_LOCK_WAIT_NS] = waited
 

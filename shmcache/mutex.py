@@ -14,6 +14,13 @@ other. ``open_hot(pool)`` returns an object with:
 - ``alloc`` and ``free``: the fused operations of ``_hot.c``, or None (then
   ``fastpath`` does them in Python under the lock).
 
+NOTE: no wait on the mutex is unbounded: ``lock`` sleeps at most 10 ms at a
+time and then looks at the lock word again, because a waiter can otherwise
+sleep forever on a free lock (glibc wakes one waiter at unlock; if that one
+is SIGKILLed before it runs while a third process took the lock by CAS, or
+an unlocker dies between clearing the word and the wake, nobody wakes the
+rest). ``lock_slices()`` counts the slices that ran out.
+
 NOTE: the kernel hands a robust mutex to the next locker as soon as its
 holder dies (the thread's robust list is walked at exit), so a SIGKILLed
 holder blocks nobody, and a reused pid cannot be taken for the holder. Set
@@ -90,6 +97,13 @@ def open_mutex(mm):
 
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_CLOCK_MONOTONIC = 1
+LOCK_SLICE_S = 0.010     # the longest one futex sleep on the pool lock lasts
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
 _PSHARED, _ROBUST, _ERRORCHECK = 1, 1, 2     # PTHREAD_PROCESS_SHARED, ..._ROBUST, ..._ERRORCHECK
 
 
@@ -138,7 +152,24 @@ class CtypesMutex:
         return self._taken(_libc.pthread_mutex_trylock(self._mutex()), True)
 
     def lock(self) -> int:
-        return self._taken(_libc.pthread_mutex_lock(self._mutex()), False)
+        # As _hot's lock_bounded: no futex sleep longer than LOCK_SLICE_S, so
+        # a wake-up lost to a killed waiter or unlocker costs one slice.
+        m = self._mutex()
+        ts = _Timespec()
+        while True:
+            _libc.clock_gettime(_CLOCK_MONOTONIC, ctypes.byref(ts))
+            ns = ts.tv_nsec + int(LOCK_SLICE_S * 1e9)
+            ts.tv_sec += ns // 1_000_000_000
+            ts.tv_nsec = ns % 1_000_000_000
+            e = _libc.pthread_mutex_clocklock(m, _CLOCK_MONOTONIC, ctypes.byref(ts))
+            if e != errno.ETIMEDOUT:
+                return self._taken(e, False)
+            CtypesMutex.slices += 1
+
+    slices = 0          # timed-lock slices that ran out in this process (a test hook)
+
+    def lock_slices(self) -> int:
+        return CtypesMutex.slices
 
     def unlock(self) -> None:
         e = _libc.pthread_mutex_unlock(self._mutex())

@@ -658,33 +658,7 @@ class WorkerProc:
         return self.proc.poll() is None
 
 
-_FUTEX_NR = {"x86_64": 202, "aarch64": 98}
-
-
-def lock_waiters(path: str) -> set:
-    """Pids with a thread blocked in futex() on the pool mutex of ``path``:
-    from /proc, the kernel's own view (each process maps the segment at its
-    own address, found in its maps by the segment's inode)."""
-    import platform
-    from shmcache import layout as L
-    ino = str(os.stat(path).st_ino)
-    nr = str(_FUTEX_NR[platform.machine()])
-    out = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                addrs = {int(ln.split("-", 1)[0], 16) + L.MUTEX_OFF
-                         for ln in f if ln.split()[4:5] == [ino] and ln.split()[2] == "00000000"}
-            if not addrs:
-                continue
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                with open(f"/proc/{pid}/task/{tid}/syscall") as f:
-                    sc = f.read().split()
-                if len(sc) > 1 and sc[0] == nr and int(sc[1], 16) in addrs:
-                    out.add(int(pid))
-        except (OSError, ValueError, IndexError):
-            continue        # gone, or not ours to read
-    return out
+from tools.lockwatch import lock_waiters  # noqa: E402  (the kernel's view of who waits)
 
 
 def wait_for_lock_waiter(path: str, pid: int, timeout: float = 20.0) -> None:

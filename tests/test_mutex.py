@@ -263,3 +263,186 @@ def test_the_c_fast_path_refuses_a_stale_view_and_a_dirty_pool(make_pool):
     assert mgr.check() == [] and sorted(mgr._refs.loose) == sorted(got)
     assert nat.free(got, p.slot, mgr._epoch, mgr._refs.loose) == 2
     assert mgr._refs.loose == {} and mgr.free_blocks == 15 and mgr.check() == []
+
+
+# ----------------------------------------------------------------- lost wake-ups
+#
+# glibc's unlock wakes one waiter, and only when the lock word carries
+# FUTEX_WAITERS. Two ways a live waiter used to sleep forever on a free lock
+# follow; each test builds the sequence deterministically and asserts that the
+# waiter gets the lock within a bounded time, through a timed-lock slice that
+# ran out (``lock_slices``), i.e. nobody woke it.
+
+_HOLDER = textwrap.dedent("""
+    import ctypes, mmap, os, sys
+    from shmcache import layout as L, mutex, segment
+    fd = os.open(segment.path_for(sys.argv[1]), os.O_RDWR)
+    mm = mmap.mmap(fd, mutex.MUTEX_MAP_SIZE)
+    m = mutex.open_mutex(mm)
+    assert m.trylock() == 0
+    print("locked", flush=True)
+    for cmd in sys.stdin:
+        cmd = cmd.strip()
+        if cmd == "clear":
+            # an unlocker's first half: the word (and owner) cleared, no wake
+            ctypes.c_int32.from_buffer(mm, L.MUTEX_OFF + 8).value = 0
+            ctypes.c_int32.from_buffer(mm, L.MUTEX_OFF).value = 0
+        elif cmd == "unlock":
+            m.unlock()
+        elif cmd == "exit":
+            os._exit(0)
+        print("ok", flush=True)
+""")
+
+
+def _holder(name, pure, **kw):
+    env = dict(os.environ)
+    env.pop("SHMCACHE_PURE", None)
+    if pure:
+        env["SHMCACHE_PURE"] = "1"
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, name], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env, **kw)
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def _tell(proc, cmd):
+    proc.stdin.write(cmd + "\n")
+    proc.stdin.flush()
+    if cmd != "exit":
+        assert proc.stdout.readline().strip() == "ok"
+
+
+def _native_of(mgr, pure):
+    if pure:
+        _python_only(mgr)
+        mgr._p.native = mgr._p.lock.native = mutex.CtypesMutex(mgr._p.mm)
+    return mgr._p.native
+
+
+@pytest.mark.parametrize("pure", [False, True], ids=["c", "ctypes"])
+@pytest.mark.timeout(60)
+def test_a_waiter_gets_a_lock_whose_unlocker_died_before_the_wake(make_pool, pure):
+    """The unlocker clears the lock word and is killed before its futex wake."""
+    if not mutex.ACCELERATED and not pure:
+        pytest.skip("shmcache._hot is not built here")
+    mgr = make_pool(max_blocks=16)
+    native = _native_of(mgr, pure)
+    path = segment.path_for(mgr.name)
+    holder = _holder(mgr.name, pure)
+    try:
+        got = {}
+        th = threading.Thread(target=lambda: got.setdefault("b", mgr.allocate_block()), daemon=True)
+        th.start()
+        wait_for_lock_waiter(path, os.getpid())       # asleep in futex(), word has FUTEX_WAITERS
+        slices = native.lock_slices()
+        _tell(holder, "clear")
+        _tell(holder, "exit")                          # dies without the wake
+        assert holder.wait(timeout=20) == 0
+        th.join(timeout=5)
+        assert not th.is_alive(), "the waiter sleeps on a free lock: lost wake-up"
+        assert got["b"] is not None
+        assert native.lock_slices() > slices          # a slice ran out: nobody woke it
+    finally:
+        holder.kill()
+    assert mgr.check() == []
+
+
+_SPIN = textwrap.dedent("""
+    import os, sys, time
+    os.sched_setaffinity(0, {int(sys.argv[1])})
+    os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(50))
+    print("spinning", flush=True)
+    end = time.monotonic() + float(sys.argv[2])
+    while time.monotonic() < end:
+        pass
+""")
+
+_WAITER = textwrap.dedent("""
+    import os, sys
+    import shmcache
+    os.sched_setaffinity(0, {int(sys.argv[2])})
+    mgr = shmcache.attach(sys.argv[1])
+    print("attached", flush=True)
+    sys.stdin.readline()
+    mgr.allocate_block()           # blocks on the lock; killed before it runs again
+""")
+
+
+def _can_run_fifo() -> bool:
+    try:
+        r = subprocess.run([sys.executable, "-c", "import os; os.sched_setscheduler(0, os.SCHED_FIFO,"
+                            " os.sched_param(1))"], timeout=20, capture_output=True)
+        return r.returncode == 0
+    except Exception:
+        return False
+
+
+@pytest.mark.parametrize("pure", [False, True], ids=["c", "ctypes"])
+@pytest.mark.timeout(90)
+def test_a_waiter_gets_the_lock_when_the_woken_waiter_is_killed_before_it_runs(make_pool, pure):
+    """The sequence of the review: the holder unlocks and the kernel wakes W1;
+    before W1 runs (a SCHED_FIFO busy loop holds its CPU) a third locker takes
+    the free lock by CAS, so the word has no FUTEX_WAITERS bit; W1 is SIGKILLed
+    (the kernel's exit handling wakes nobody: the word names a live owner);
+    the third unlocks without a wake. W2 must still get the lock."""
+    if not mutex.ACCELERATED and not pure:
+        pytest.skip("shmcache._hot is not built here")
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs: one to hold the woken waiter off")
+    if not _can_run_fifo():
+        pytest.skip("SCHED_FIFO is not permitted here (needs CAP_SYS_NICE)")
+    cpu_a, cpu_b = cpus[0], cpus[1]
+    old_aff = os.sched_getaffinity(0)
+    mgr = make_pool(max_blocks=16)
+    native = _native_of(mgr, pure)
+    path = segment.path_for(mgr.name)
+    env = dict(os.environ)
+    env.pop("SHMCACHE_PURE", None)
+    if pure:
+        env["SHMCACHE_PURE"] = "1"
+    procs = []
+    mm = _map(mgr.name)
+    third = mutex.open_mutex(mm) if not pure else mutex.CtypesMutex(mm)
+    try:
+        os.sched_setaffinity(0, {cpu_a})
+        w1 = subprocess.Popen([sys.executable, "-c", _WAITER, mgr.name, str(cpu_b)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        procs.append(w1)
+        assert w1.stdout.readline().strip() == "attached"   # (attaching takes the lock)
+        holder = _holder(mgr.name, pure)
+        procs.append(holder)
+        w1.stdin.write("go\n")
+        w1.stdin.flush()
+        wait_for_lock_waiter(path, w1.pid)              # W1 first in the futex queue
+        got = {}
+
+        def w2():
+            os.sched_setaffinity(0, {cpu_a})
+            got["b"] = mgr.allocate_block()
+        th = threading.Thread(target=w2, daemon=True)
+        th.start()
+        wait_for_lock_waiter(path, os.getpid())         # W2 second
+        slices = native.lock_slices()
+        spin = subprocess.Popen([sys.executable, "-c", _SPIN, str(cpu_b), "0.6"],
+                                stdout=subprocess.PIPE, text=True)
+        procs.append(spin)
+        assert spin.stdout.readline().strip() == "spinning"
+        _tell(holder, "unlock")                         # wakes W1, which cannot run
+        assert third.trylock() == 0                     # the third locker's CAS
+        w1.kill()                                       # killed before it ran
+        assert spin.wait(timeout=30) == 0
+        w1.wait(timeout=30)
+        third.unlock()                                  # no FUTEX_WAITERS: no wake
+        th.join(timeout=5)
+        assert not th.is_alive(), "W2 sleeps on a free lock: lost wake-up"
+        assert got["b"] is not None
+        assert native.lock_slices() > slices            # a slice ran out: nobody woke it
+    finally:
+        os.sched_setaffinity(0, old_aff)
+        for p in procs:
+            p.kill()
+        third.release()
+        mm.close()
+    assert mgr.check() == []

@@ -16,7 +16,10 @@ its writer (or publisher) wrote:
   holds a pattern derived from (pid, block id, a counter).
 
 ``--kill-every`` SIGKILLs a random worker at that interval and starts a new
-one. Workers report progress and peak RSS/PSS through a result file each
+one; with ``--kill-waiters`` it prefers one asleep on the pool lock (the
+kernel's view, from /proc), so waiters die as well as holders. The report
+has the slowest wait for the lock (``max_lock_wait_s``) and the p99 of
+every wait (``lock_wait_p99_s``). Workers report progress and peak RSS/PSS through a result file each
 (rewritten atomically a few times a second, so a killed worker's figures
 up to its death are kept). At the end the parent stops every worker (they
 release everything and detach), runs ``reclaim_dead`` and the full check,
@@ -41,6 +44,7 @@ import time
 
 import psutil
 
+from tools.lockwatch import lock_waiters
 from tools.stress_worker import (EXIT_ATTACH_FULL, HEAD_DIM, NUM_KV_HEADS, NUM_LAYERS,
                                  worker_main)
 from tools.stress_worker import Worker  # noqa: F401  (re-exported: tests drive stress.Worker)
@@ -52,6 +56,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 class Child:
     def __init__(self, proc, path) -> None:
         self.proc, self.path, self.killed, self.exit = proc, path, False, None
+        self.waiting = 0
 
     def result(self) -> dict:
         try:
@@ -98,7 +103,7 @@ def parent_main(args) -> int:
         max_slots=max(64, 4 * args.processes), max_tables=max(256, 8 * args.processes),
         max_refs=8 * args.max_blocks + 64 * args.processes)
     tmp = tempfile.mkdtemp(prefix="shmcache-stress-")
-    children, errors, interrupted, kills = [], [], False, 0
+    children, errors, interrupted, kills, waiter_kills = [], [], False, 0, 0
     tty = sys.stderr.isatty()
     t0 = time.monotonic()
     try:
@@ -120,7 +125,8 @@ def parent_main(args) -> int:
                 if now >= next_kill:
                     live = [c for c in children if c.exit is None]
                     if live:
-                        c = rng.choice(live)
+                        c = pick_victim(args, live, rng, segment.path_for(name))
+                        waiter_kills += c.waiting
                         c.proc.send_signal(signal.SIGKILL)
                         c.exit, c.killed = c.proc.wait(), True
                         kills += 1
@@ -132,7 +138,7 @@ def parent_main(args) -> int:
                     t, el = totals(children), max(now - t0, 1e-9)
                     line = (f"[stress] {el:5.1f}/{args.seconds:g}s procs "
                             f"{sum(c.exit is None for c in children)} ops {t['ops']} "
-                            f"({t['ops'] / el:.0f}/s) kills {kills} out_of_blocks "
+                            f"({t['ops'] / el:.0f}/s) kills {kills} ({waiter_kills} waiting) out_of_blocks "
                             f"{t['out_of_blocks']} mismatches {t['payload_mismatches']} "
                             f"free {m.free_blocks}/{total}")
                     sys.stderr.write(("\r\x1b[K" + line) if tty else line + "\n")
@@ -151,6 +157,7 @@ def parent_main(args) -> int:
                 errors.append(f"worker {c.proc.pid}: {r['error'][-300:]}")
         errors += [f"worker {pid} did not stop in time (SIGKILLed)" for pid in stuck]
         report = final_report(args, m, L, children, elapsed, kills, demand, errors)
+        report["waiter_kills"] = waiter_kills
     finally:
         for c in children:
             if c.proc.poll() is None:
@@ -167,6 +174,40 @@ def parent_main(args) -> int:
     failed = (report["violations"] or report["payload_mismatches"] or report["leaked_blocks"]
               or report["tables_left"] or report["worker_errors"] or report["segments_left"])
     return 1 if failed else (130 if interrupted else 0)
+
+
+def pick_victim(args, live, rng, path):
+    """A random live worker; with ``--kill-waiters``, preferably one that is
+    asleep on the pool lock right now (watched for up to 50 ms), so that
+    waiters die as well as holders. Sets ``waiting`` on the one picked."""
+    if args.kill_waiters:
+        by_pid = {c.proc.pid: c for c in live}
+        deadline = time.monotonic() + 0.05
+        while time.monotonic() < deadline:
+            waiting = lock_waiters(path, [str(p) for p in by_pid])
+            if waiting:
+                c = by_pid[rng.choice(sorted(waiting))]
+                c.waiting = 1
+                return c
+            time.sleep(0.0005)
+    c = rng.choice(live)
+    c.waiting = 0
+    return c
+
+
+def lock_wait_p99(children) -> float:
+    """p99 of every wait for the pool lock in every worker, seconds (each
+    worker reports its count of waits and its slowest 1,024)."""
+    n, top = 0, []
+    for c in children:
+        r = c.result()
+        n += int(r.get("lock_waits", 0))
+        top += r.get("lock_waits_top_ns", [])
+    if not n:
+        return 0.0
+    top.sort(reverse=True)
+    k = max(1, math.ceil(0.01 * n))      # the p99 is the k-th slowest wait
+    return top[min(k, len(top)) - 1] / 1e9
 
 
 def stop_children(children) -> list:
@@ -208,6 +249,8 @@ def final_report(args, m, L, children, elapsed, kills, demand, errors) -> dict:
         "payload_mismatches": t["payload_mismatches"],
         "leaked_blocks": scan["allocated_blocks"] - 1,
         "max_lock_wait_s": int(m._p.c[L.C_LOCK_WAIT_NS]) / 1e9,
+        "lock_wait_p99_s": lock_wait_p99(children),
+        "lock_waits": sum(int(c.result().get("lock_waits", 0)) for c in children),
         "peak_rss_bytes": max((p["peak_rss_bytes"] for p in procs), default=0),
         "peak_pss_bytes": max((p["peak_pss_bytes"] for p in procs), default=0),
         "per_process": procs,
@@ -235,6 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seconds", type=float, default=10.0, help="run time (default 10)")
     ap.add_argument("--kill-every", type=float, default=0.0, metavar="SECONDS",
                     help="SIGKILL a random process this often and start a new one (0: never)")
+    ap.add_argument("--kill-waiters", action="store_true",
+                    help="with --kill-every: prefer a process asleep on the pool lock, so that "
+                         "waiters are killed as well as holders")
     ap.add_argument("--overcommit", type=float, default=1.0, metavar="X",
                     help="processes together ask for X times the pool's blocks (default 1)")
     ap.add_argument("--block-size", type=int, default=16)

@@ -6,6 +6,16 @@ STAMP := $(VENV)/.installed
 .PHONY: setup test run bench clean
 
 setup: $(STAMP)
+	@# a fast CBLAS for MLX's CPU matmuls (shmcache/blas.py loads it); never fails the build
+	@if [ "$$(uname -s)" = Linux ] && ! ls /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+			{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+				--no-install-recommends libopenblas0-pthread; } >/dev/null 2>&1; then \
+			echo "setup: installed libopenblas0-pthread (a fast BLAS for MLX)"; \
+		else \
+			echo "setup: libopenblas0-pthread is not installed (needs root and apt-get): MLX will use the reference BLAS (slow matmuls)"; \
+		fi; \
+	fi
 
 $(STAMP): pyproject.toml setup.py shmcache/_hot.c shmcache/_hot_mutex.h shmcache/_gather.c shmcache/_gather.h shmcache/_gather_pool.h shmcache/_mlxbuf.cpp
 	$(PY) -m venv $(VENV)

@@ -7,6 +7,15 @@ free its KV blocks at once; ``shmcache.paged_cache`` has the API of
 
 from __future__ import annotations
 
+# First, before any import below loads mlx: an optimized CBLAS for MLX's CPU
+# matmuls (shmcache/blas.py imports only the standard library). Never raises.
+try:
+    from .blas import use_fast_blas as _use_fast_blas
+    _use_fast_blas()
+except Exception as _e:  # noqa: BLE001 - a BLAS choice must not break import
+    import logging as _logging
+    _logging.getLogger(__name__).warning("shmcache: fast BLAS setup failed: %r", _e)
+
 from .errors import (CapacityError, IncompatiblePoolError, InsufficientSharedMemoryError,
                      OutOfBlocksError, PoolClosedError, PoolExistsError, PoolNotFoundError,
                      ShmCacheError)

@@ -6,6 +6,8 @@
     shmcache fsck NAME [--repair]    invariant check (exit 1 on violations)
     shmcache cleanup [NAME|PATTERN]  remove pools whose owner is dead and that
                                      no live process has attached
+    shmcache doctor [--json]         BLAS in use, matmul GFLOP/s, versions, /dev/shm, CPUs
+    shmcache serve [--model PATH]    an OpenAI-compatible HTTP server (serve --help)
 
 Exit codes: 0 success; 1 fsck found violations (left after ``--repair``) or a
 named ``cleanup`` kept a live pool; 2 an error (unknown pool, not a pool, an
@@ -252,6 +254,18 @@ def cmd_cleanup(args) -> int:
     return 1 if (kept and not is_glob) else 0
 
 
+# ----------------------------------------------------------------- doctor
+def cmd_doctor(args) -> int:
+    from .doctor import run
+    return run(as_json=args.json)
+
+
+# ------------------------------------------------------------------ serve
+def cmd_serve(args) -> int:
+    from .server.main import run       # uvicorn, FastAPI and MLX load for serve only
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="shmcache", description="Inspect, check and clean up shmcache pools in /dev/shm.",
@@ -270,11 +284,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rebuild derived state and release dead holders' references")
     p = sub.add_parser("cleanup", help="remove pools whose owner is dead and nobody attached")
     p.add_argument("name", nargs="?", help="a pool name or shell pattern (default: all)")
+    p = sub.add_parser("doctor", help="BLAS in use, matmul GFLOP/s, versions, /dev/shm, CPUs")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    from .server import main as serve_main
+    serve_main.add_arguments(sub.add_parser("serve", help=serve_main.HELP))
     return ap
 
 
 COMMANDS = {"list": cmd_list, "inspect": cmd_inspect, "top": cmd_top, "fsck": cmd_fsck,
-            "cleanup": cmd_cleanup}
+            "cleanup": cmd_cleanup, "doctor": cmd_doctor, "serve": cmd_serve}
 
 
 def main(argv=None) -> int:

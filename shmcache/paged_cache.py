@@ -363,6 +363,30 @@ class PagedCacheManager(TableOps, PrefixOps):
         self._p.check_usable()
         kv.write(self._p, b, layer, keys, values, start)
 
+    def append_kv(self, table: BlockTable, layer: int, keys, values, start: int) -> None:
+        """Write a span of K/V, (num_kv_heads, T, head_dim), into ``table`` at
+        token position ``start``, across as many blocks as it covers.
+
+        The positions must already be in the table (``prepare_append``).
+
+        Raises:
+            ValueError: the span is not within the table's tokens, or a
+                shape, layer or dtype is wrong (as ``write_kv``).
+        """
+        T = int(keys.shape[1])
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0 \
+                or start + T > table.num_tokens:
+            raise ValueError(f"append_kv: tokens {start}..{start + T} are not within the "
+                             f"table's {table.num_tokens} tokens (prepare_append first)")
+        ids = table.block_ids
+        bs, done = self.block_size, 0
+        while done < T:
+            pos = start + done
+            n = min(bs - pos % bs, T - done)
+            self.write_kv(ids[pos // bs], layer, keys[:, done:done + n], values[:, done:done + n],
+                          pos % bs)
+            done += n
+
     def read_kv(self, block_ids, layer: int):
         """Gather blocks' K/V of one layer into MLX arrays (num_kv_heads, n*block_size, head_dim)."""
         p = self._p

@@ -1,0 +1,265 @@
+"""mlx-lm's KV-cache protocol over block tables of a shared pool.
+
+An mlx-lm model touches its cache only through ``update_and_fetch(keys,
+values)`` and ``offset`` (and ``make_mask`` for batches). The classes here
+keep that protocol and add one thing: every K/V a model hands them is also
+written through to the sequence's block table in the shared pool, where
+every other process can find it once it is published.
+
+* :class:`PoolSequence` is one sequence's block table: it reserves room
+  (``prepare_append``: copy-on-write of a shared partial block, new blocks),
+  stages each layer's new K/V, writes them through (:meth:`commit`, one
+  ``append_kv`` per layer) and publishes full blocks (:meth:`publish`).
+* :class:`PoolKVCache` is mlx-lm's ``KVCache`` (one layer, one sequence)
+  with the write-through: its working buffer is an MLX array in this
+  process, so a step never re-reads the context from the pool; the pool is
+  read once, when a cached prefix is loaded (:func:`load_prefix`).
+* :class:`PoolBatchKVCache` is mlx-lm's ``BatchKVCache`` (left padding,
+  per-row offsets, ``merge``/``filter``/``extend``/``extract``/
+  ``prepare``/``finalize``) with one :class:`PoolSequence` per row.
+
+NOTE: staged K/V are written at :meth:`PoolSequence.commit`, after the step
+was evaluated, not inside ``update_and_fetch``: writing needs the values,
+and evaluating there would serialise the graph layer by layer (and defeat
+``mx.async_eval`` in mlx-lm's loops). A staged write is committed at the
+latest by the next ``update_and_fetch`` of layer 0.
+
+Models whose ``make_cache`` is not plain attention K/V for every layer
+(sliding windows, SSM state, MLA with different K and V widths) are
+refused by :func:`check_poolable` with the reason.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+__all__ = ["PoolSequence", "PoolKVCache", "PoolBatchKVCache", "pool_layout", "check_poolable",
+           "make_pool_cache", "load_prefix", "NotPoolableError"]
+
+
+class NotPoolableError(ValueError):
+    """The model's KV cache cannot live in a shmcache pool."""
+
+
+_DTYPES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
+
+
+def check_poolable(model) -> None:
+    """Raise :class:`NotPoolableError` unless every layer's cache is plain K/V."""
+    if hasattr(model, "make_cache"):
+        caches = model.make_cache()
+        odd = sorted({type(c).__name__ for c in caches if type(c) is not KVCache})
+        if odd:
+            raise NotPoolableError(
+                f"this model's layers use {', '.join(odd)} caches (sliding window, recurrent "
+                f"state or similar); shmcache pools only plain attention K/V (KVCache)")
+
+
+def pool_layout(model) -> dict:
+    """The pool layout a model needs: ``num_layers``, ``num_kv_heads``,
+    ``head_dim`` and ``dtype``, read from the K/V of a one-token forward pass
+    (so they are exactly what the model hands ``update_and_fetch``)."""
+    check_poolable(model)
+    caches = [KVCache() for _ in model.layers]
+    model(mx.array([[0]]), cache=caches)
+    k, v = caches[0].keys, caches[0].values
+    mx.eval(k, v)
+    if k.shape[-1] != v.shape[-1]:
+        raise NotPoolableError(f"keys and values differ in width ({k.shape[-1]} vs "
+                               f"{v.shape[-1]}, as in MLA); shmcache pools need one head_dim")
+    if k.dtype not in _DTYPES:
+        raise NotPoolableError(f"K/V dtype {k.dtype} is not one a pool stores")
+    return dict(num_layers=len(caches), num_kv_heads=k.shape[1], head_dim=k.shape[-1],
+                dtype=_DTYPES[k.dtype])
+
+
+class PoolSequence:
+    """One sequence's K/V in a pool: a block table and what is staged for it.
+
+    Args:
+        mgr: a ``PagedCacheManager`` attached to the pool.
+        table: the sequence's ``BlockTable``; its token count is how many
+            tokens the pool holds for it (cached prefix included).
+        extra_keys: salt of the prefix chain (tenant), as ``cache_full_blocks`` takes.
+
+    NOTE: ``stored`` counts the tokens whose K/V are written to the pool;
+    ``reserved`` the tokens reserved by ``prepare_append`` and not yet
+    stored. Blocks are published only up to ``stored``, so a published
+    block's payload is always complete.
+    """
+
+    def __init__(self, mgr, table, extra_keys=None) -> None:
+        self.mgr = mgr
+        self.table = table
+        self.extra_keys = extra_keys
+        self.stored = table.num_tokens
+        self.reserved = 0
+        self.published = table.num_tokens // mgr.block_size
+        self.ids: list = table.block_ids   # the table's block ids, kept in step with it
+        self._staged: list = []        # (layer, keys (H, T, D), values (H, T, D))
+
+    def reserve(self, n: int) -> None:
+        """Room for ``n`` more tokens (raises OutOfBlocksError; nothing changes then)."""
+        if n > self.reserved:
+            first = (self.stored + self.reserved) // self.mgr.block_size
+            got = self.mgr.prepare_append(self.table, n - self.reserved)
+            # the blocks receiving the new tokens: the first may be a copy of
+            # the previous last block (copy-on-write)
+            self.ids[first:] = [b.block_id for b in got]
+            self.reserved = n
+
+    def stage(self, layer: int, keys: mx.array, values: mx.array) -> None:
+        """Queue one layer's new K/V, (H, T, D), for :meth:`commit`."""
+        self._staged.append((layer, keys, values))
+
+    def commit(self) -> None:
+        """Write the staged K/V to the pool (evaluating them if needed)."""
+        if not self._staged:
+            return
+        n = self._staged[0][1].shape[1]
+        bs, w = self.mgr.block_size, self.mgr.write_kv
+        mx.eval([a for _, k, v in self._staged for a in (k, v)])
+        for layer, k, v in self._staged:
+            done = 0
+            while done < n:                      # the span may cross blocks
+                pos = self.stored + done
+                m = min(bs - pos % bs, n - done)
+                w(self.ids[pos // bs], layer, k[:, done:done + m], v[:, done:done + m], pos % bs)
+                done += m
+        self._staged.clear()
+        self.stored += n
+        self.reserved -= n
+
+    def publish(self, tokens: Sequence[int]) -> int:
+        """Publish the full blocks stored so far; ``tokens`` are the
+        sequence's token ids (at least ``stored`` of them). Returns how many
+        blocks are published."""
+        full = self.stored // self.mgr.block_size
+        if full > self.published:
+            self.mgr.cache_full_blocks(self.ids[:full], list(tokens[:full * self.mgr.block_size]),
+                                       self.published, full, self.extra_keys)
+            self.published = full
+        return self.published
+
+    def release(self) -> None:
+        """Commit nothing more; delete the table (its blocks go back to the
+        pool, published ones stay cached)."""
+        self._staged.clear()
+        self.mgr.delete_block_table(self.table.request_id)
+
+
+class PoolKVCache(KVCache):
+    """mlx-lm's ``KVCache`` for one layer, written through to a :class:`PoolSequence`."""
+
+    def __init__(self, seq: PoolSequence, layer: int) -> None:
+        super().__init__()
+        self.seq = seq
+        self.layer = layer
+
+    def update_and_fetch(self, keys, values):
+        T = keys.shape[2]                      # keys: (1, H, T, D)
+        if self.layer == 0:
+            self.seq.commit()                  # the previous step's, if still staged
+            self.seq.reserve(T)
+        out = super().update_and_fetch(keys, values)
+        self.seq.stage(self.layer, keys[0], values[0])
+        return out
+
+    def is_trimmable(self):
+        # NOTE: a table cannot give back its tail yet (the pool's tables grow
+        # only), so a pooled cache is not trimmable: mlx-lm then never tries.
+        return False
+
+    def trim(self, n):
+        return 0
+
+
+def make_pool_cache(model, seq: PoolSequence) -> List[PoolKVCache]:
+    """One :class:`PoolKVCache` per layer of ``model``, over ``seq``."""
+    return [PoolKVCache(seq, i) for i in range(len(model.layers))]
+
+
+def load_prefix(caches: List[PoolKVCache]) -> int:
+    """Read the tokens the sequence's table already holds (a cached prefix)
+    from the pool into the working buffers, once. Returns their count."""
+    seq = caches[0].seq
+    n = seq.stored
+    if n == 0:
+        return 0
+    ids = seq.table.block_ids
+    for c in caches:
+        k, v = seq.mgr.read_kv(ids, c.layer)              # (H, blocks*bs, D)
+        c.keys = k[None, :, :n, :]                        # (1, H, T, D)
+        c.values = v[None, :, :n, :]
+        c.offset = n
+    return n
+
+
+class PoolBatchKVCache(BatchKVCache):
+    """mlx-lm's ``BatchKVCache`` for one layer, each row written through to
+    its :class:`PoolSequence` (``seqs[i]`` is row i's; None: not pooled)."""
+
+    def __init__(self, left_padding: List[int], seqs: Optional[list] = None, layer: int = 0) -> None:
+        super().__init__(left_padding)
+        self.seqs = list(seqs) if seqs is not None else [None] * len(left_padding)
+        self.layer = layer
+
+    def _real_tokens(self, T: int) -> List[int]:
+        """How many of this chunk's T positions are real tokens, per row."""
+        if T == 1 and self._right_padding is None:
+            return [1] * len(self.seqs)
+        lp = self.left_padding.tolist()
+        rp = self._right_padding.tolist() if self._right_padding is not None else [0] * len(lp)
+        start = self._idx
+        return [max(0, T - max(0, l - start) - r) for l, r in zip(lp, rp)]
+
+    def update_and_fetch(self, keys, values):
+        T = keys.shape[2]                      # keys: (B, H, T, D)
+        real = self._real_tokens(T)
+        if self.layer == 0:
+            for s, n in zip(self.seqs, real):
+                if s is not None:
+                    s.commit()
+                    s.reserve(n)
+        lp = self.left_padding.tolist() if T > 1 else None
+        start = self._idx
+        out = super().update_and_fetch(keys, values)
+        for i, (s, n) in enumerate(zip(self.seqs, real)):
+            if s is not None and n:
+                a = max(0, lp[i] - start) if lp is not None else 0
+                s.stage(self.layer, keys[i, :, a:a + n], values[i, :, a:a + n])
+        return out
+
+    def filter(self, batch_indices):
+        idx = batch_indices.tolist() if isinstance(batch_indices, mx.array) else list(batch_indices)
+        super().filter(batch_indices)
+        self.seqs = [self.seqs[i] for i in idx]
+
+    def extend(self, other):
+        super().extend(other)
+        self.seqs = self.seqs + list(getattr(other, "seqs", [None] * other.offset.shape[0]))
+
+    def extract(self, idx):
+        plain = super().extract(idx)
+        c = PoolKVCache(self.seqs[idx], self.layer) if self.seqs[idx] is not None else KVCache()
+        c.keys, c.values, c.offset = plain.keys, plain.values, plain.offset
+        return c
+
+    @classmethod
+    def merge(cls, caches):
+        plain = BatchKVCache.merge(caches)
+        seqs = [getattr(c, "seq", None) for c in caches]
+        layers = {c.layer for c in caches if hasattr(c, "layer")}
+        out = cls([0] * len(caches), seqs, layers.pop() if len(layers) == 1 else 0)
+        out.keys, out.values = plain.keys, plain.values
+        out.offset, out.left_padding, out._idx = plain.offset, plain.left_padding, plain._idx
+        return out
+
+    def is_trimmable(self):
+        return False
+
+    def trim(self, n):
+        return 0

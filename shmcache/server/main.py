@@ -1,0 +1,185 @@
+"""``shmcache serve``: an OpenAI-compatible HTTP server whose worker processes
+share one prefix cache (a pool in /dev/shm).
+
+``add_arguments`` defines the subcommand's flags (``shmcache.cli`` calls it);
+``run(args)`` binds the port first (so a port in use fails before a model is
+loaded), builds the backend, starts it in the app's lifespan, serves with
+uvicorn until SIGINT/SIGTERM, then stops uvicorn (in-flight requests get a few
+seconds) and closes the backend, which removes its pool from /dev/shm. The
+heavy imports (uvicorn, FastAPI, MLX) happen in ``run`` only, so that the
+other ``shmcache`` commands stay quick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+
+log = logging.getLogger("shmcache.server")
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+GRACEFUL_SHUTDOWN_S = 5
+
+
+def default_workers() -> int:
+    return max(1, min(os.cpu_count() or 1, 8))
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {v}")
+    return v
+
+
+def _port(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"not a port number: {v} (0 to 65535; 0: any free port)")
+    return v
+
+
+HELP = "an OpenAI-compatible HTTP server; its workers share one prefix cache"
+DESCRIPTION = """\
+Serve an MLX language model over an OpenAI-compatible HTTP API. The worker
+processes share one paged KV cache in /dev/shm, so a prompt prefix computed by
+one worker is reused by all of them.
+
+endpoints:
+  POST /v1/completions, /v1/chat/completions   (stream, n, stop, seed,
+       temperature, top_p, top_k, min_p, max_tokens, cache_salt)
+  GET  /v1/models, /health, /metrics (Prometheus)
+
+SIGINT or SIGTERM stops the server: requests in flight get a few seconds, then
+the workers stop and the pool is removed from /dev/shm."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = DESCRIPTION
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.add_argument("--model", metavar="PATH", default=None,
+                   help="an MLX model directory (as mlx_lm loads it); default: the built-in "
+                        "tiny demo model, made on first use")
+    p.add_argument("--workers", metavar="N", type=_positive, default=default_workers(),
+                   help="worker processes generating tokens, all sharing one prefix cache "
+                        f"(default: the number of CPUs, at most 8; here {default_workers()})")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: %(default)s; 0.0.0.0 for every "
+                        "interface)")
+    p.add_argument("--port", type=_port, default=8000,
+                   help="TCP port (default: %(default)s; 0: any free port, printed at startup)")
+    p.add_argument("--max-blocks", metavar="N", type=_positive, default=None,
+                   help="KV blocks in the shared pool (default: sized by the backend)")
+    p.add_argument("--block-size", metavar="N", type=_positive, default=16,
+                   help="tokens per KV block, the prefix-cache granularity (default: %(default)s)")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                   help="log level (default: %(default)s; 'debug' adds uvicorn's own "
+                        "startup messages)")
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise OSError(f"cannot listen on {host!r}: {e.strerror}") from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(False)       # the worker processes must not hold the port
+    return sock
+
+
+def _url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("shmcache").setLevel(level.upper())
+
+
+def run(args) -> int:
+    """Serve until SIGINT/SIGTERM; 0 after a clean stop, 1 if startup failed."""
+    _setup_logging(args.log_level)
+    sock = _bind(args.host, args.port)
+    try:
+        import asyncio
+
+        import uvicorn
+
+        from .app import create_app
+        from .backend import WorkerBackend
+
+        model = args.model
+        if model is None:
+            from ..demo_model import ensure_demo_model
+            model = ensure_demo_model()
+            log.info("no --model given: using the demo model at %s", model)
+        backend = WorkerBackend(model=model, workers=args.workers, max_blocks=args.max_blocks,
+                                block_size=args.block_size)
+        url = _url(sock)
+
+        def ready() -> None:
+            log.info("shmcache serve: %s, %d workers, on %s (OpenAI API at %s/v1)",
+                     backend.model_id, args.workers, url, url)
+
+        app = create_app(backend, on_ready=ready)
+        config = uvicorn.Config(app, log_config=None, log_level=args.log_level, lifespan="on",
+                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        if args.log_level != "debug":             # our one startup line says it all
+            logging.getLogger("uvicorn.error").setLevel(
+                max(logging.WARNING, logging.getLogger("uvicorn.error").level))
+        server = uvicorn.Server(config)
+        life = app.state.backend_life
+        stopped_by = []
+
+        def on_signal(sig, frame):
+            # uvicorn handles SIGINT/SIGTERM while it serves and raises them
+            # again afterwards: this takes them then, instead of the default
+            # (which would kill us before the backend is closed).
+            stopped_by.append(sig)
+            if closing:
+                raise KeyboardInterrupt
+        closing = False
+        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+
+        async def serve() -> None:
+            nonlocal closing
+            try:
+                await server.serve(sockets=[sock])
+            finally:
+                closing = True
+                # The lifespan closes the backend; not when uvicorn skipped it
+                # (a second Ctrl-C, or a signal during startup).
+                await life.close()
+
+        try:
+            asyncio.run(serve())
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+        if not server.started and not stopped_by:
+            log.error("shmcache serve: startup failed")
+            return 1
+        log.info("shmcache serve: stopped")
+        return 0
+    finally:
+        sock.close()

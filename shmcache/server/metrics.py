@@ -1,0 +1,109 @@
+"""Prometheus metrics of one ``shmcache serve`` app (a registry per app, so
+several apps in one process, as in the tests, do not collide).
+
+Request-side metrics are counted by the HTTP layer; the pool and worker
+gauges are read from ``backend.stats()`` at each scrape.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+log = logging.getLogger("shmcache.server")
+
+PREFIX = "shmcache"
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0)
+
+# backend.stats() key -> (metric name, kind, help)
+BACKEND_STATS = (
+    ("blocks_total", "pool_blocks_total", "gauge", "KV blocks in the shared pool"),
+    ("blocks_used", "pool_blocks_used", "gauge", "KV blocks in use by running requests"),
+    ("blocks_free", "pool_blocks_free", "gauge", "KV blocks free (not holding cached data)"),
+    ("blocks_cached", "pool_blocks_cached", "gauge",
+     "KV blocks holding reusable prefix-cache data"),
+    ("preemptions", "preemptions", "counter", "requests preempted for lack of pool blocks"),
+    ("worker_restarts", "worker_restarts", "counter", "worker processes restarted after dying"),
+    ("workers_alive", "workers_alive", "gauge", "worker processes alive"),
+)
+
+
+class _BackendCollector:
+    """Reads ``stats()`` at scrape time; a failing ``stats()`` leaves these
+    metrics out of that scrape instead of failing it."""
+
+    def __init__(self, stats: Callable[[], dict]):
+        self._stats = stats
+
+    def _families(self, values: dict):
+        for key, name, kind, doc in BACKEND_STATS:
+            if kind == "counter":
+                fam = CounterMetricFamily(f"{PREFIX}_{name}", doc)
+            else:
+                fam = GaugeMetricFamily(f"{PREFIX}_{name}", doc)
+            if values is not None:
+                if key not in values:
+                    continue
+                fam.add_metric([], float(values[key]))
+            yield fam
+
+    def describe(self):
+        return list(self._families(None))
+
+    def collect(self):
+        try:
+            values = dict(self._stats())
+        except Exception:
+            log.exception("backend.stats() failed; pool metrics left out of this scrape")
+            return []
+        return list(self._families(values))
+
+
+class Metrics:
+    def __init__(self, backend_stats: Callable[[], dict]):
+        self.registry = r = CollectorRegistry(auto_describe=False)
+        self.requests = Counter(f"{PREFIX}_requests", "HTTP requests by endpoint and status "
+                                "(499: the client went away first)",
+                                ["endpoint", "status"], registry=r)
+        self.running = Gauge(f"{PREFIX}_requests_running",
+                             "generation requests in progress", registry=r)
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens",
+                                     "prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter(f"{PREFIX}_generation_tokens",
+                                         "tokens generated", registry=r)
+        self.cached_tokens = Counter(f"{PREFIX}_cached_prompt_tokens",
+                                     "prompt tokens served from the shared prefix cache",
+                                     registry=r)
+        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds",
+                              "seconds from receiving a request to its first generated token",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.hit_rate = Gauge(f"{PREFIX}_prefix_cache_hit_rate",
+                              "cached prompt tokens / prompt tokens, since start", registry=r)
+        self._lock = threading.Lock()
+        self._prompt = 0
+        self._cached = 0
+        self.hit_rate.set_function(self._hit_rate)
+        r.register(_BackendCollector(backend_stats))
+
+    def _hit_rate(self) -> float:
+        with self._lock:
+            return self._cached / self._prompt if self._prompt else 0.0
+
+    def request(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    def admitted(self, prompt_tokens: int, cached_tokens: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.cached_tokens.inc(cached_tokens)
+        with self._lock:
+            self._prompt += prompt_tokens
+            self._cached += cached_tokens
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -263,3 +263,13 @@ class PoolBatchKVCache(BatchKVCache):
 
     def trim(self, n):
         return 0
+
+
+def check_pool_matches(mgr, layout: dict) -> None:
+    """Raise ``ValueError`` naming every field where the pool's layout differs
+    from the model's (``pool_layout``): K/V are never cast silently."""
+    lay = mgr.layout
+    diff = [f"{k}: pool {getattr(lay, k)!r}, model {v!r}" for k, v in layout.items()
+            if getattr(lay, k) != v]
+    if diff:
+        raise ValueError(f"pool {mgr.name!r} does not fit this model ({'; '.join(diff)})")

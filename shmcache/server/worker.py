@@ -1,0 +1,101 @@
+"""A worker process of ``shmcache serve``: ``python -m shmcache.server.worker``.
+
+It attaches to the pool by name, loads the model with mlx-lm, says
+:class:`~shmcache.server.wire.Ready`, and then runs its
+:class:`~shmcache.server.engine.Engine`: messages from the supervisor arrive
+on stdin (read by a thread into a queue) and are taken between steps; events
+go back on a private copy of stdout. The worker exits when stdin closes (the
+supervisor is gone) or on :class:`~shmcache.server.wire.Stop`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+
+import shmcache  # first: binds the fast BLAS before mlx loads
+
+from . import wire
+
+
+def _reader(q: queue.Queue) -> None:
+    while True:
+        body = wire.read_frame(0)
+        if body is None:
+            q.put(None)
+            return
+        q.put(wire.to_worker.decode(body))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m shmcache.server.worker")
+    ap.add_argument("--pool", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--id", type=int, default=0)
+    ap.add_argument("--max-batch", type=int, default=32)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("SHMCACHE_LOG_LEVEL", "WARNING").upper(),
+                        format=f"worker {args.id}: %(message)s")
+    out = os.dup(1)                 # the message stream
+    os.dup2(2, 1)                   # anything printed goes to stderr
+    writer = wire.Writer(out)
+
+    from mlx_lm import load
+
+    from ..mlx_lm import check_pool_matches, pool_layout
+    from .engine import Engine
+
+    model, tokenizer = load(args.model)
+    mgr = shmcache.attach(args.pool)
+    check_pool_matches(mgr, pool_layout(model))
+
+    def emit(kind, payload):
+        if kind == "admitted":
+            writer.send(wire.Admitted(*payload))
+        elif kind == "step":
+            writer.send(wire.Step(payload))
+        elif kind == "failed":
+            writer.send(wire.Failed(*payload))
+
+    engine = Engine(mgr, model, tokenizer.eos_token_ids, emit, args.id, args.max_batch)
+    q: queue.Queue = queue.Queue()
+    threading.Thread(target=_reader, args=(q,), daemon=True).start()
+    writer.send(wire.Ready(args.id, os.getpid()))
+    last_load = 0.0
+    try:
+        while True:
+            try:
+                msg = q.get(timeout=0.5) if not engine.busy else q.get_nowait()
+            except queue.Empty:
+                msg = False
+            while msg is not False:
+                if msg is None or isinstance(msg, wire.Stop):
+                    return 0
+                if isinstance(msg, wire.Gen):
+                    engine.submit(msg)
+                elif isinstance(msg, wire.Cancel):
+                    engine.cancel(msg.id)
+                try:
+                    msg = q.get_nowait()
+                except queue.Empty:
+                    msg = False
+            engine.step()
+            now = time.monotonic()
+            if now - last_load > 0.5:
+                last_load = now
+                writer.send(wire.Load(args.id, len(engine.rows), len(engine.waiting),
+                                      engine.preemptions, engine.working_bytes()))
+    except BrokenPipeError:
+        return 0
+    finally:
+        engine.close()
+        mgr.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -206,6 +206,19 @@ class PoolBatchKVCache(BatchKVCache):
         super().__init__(left_padding)
         self.seqs = list(seqs) if seqs is not None else [None] * len(left_padding)
         self.layer = layer
+        self._real_end = None     # while right-padded: where each row's real tokens end
+
+    def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
+        # NOTE: a right-padded prompt may come in several chunks (mlx-lm's
+        # BatchGenerator cuts it at prefill_step_size): row i's real tokens
+        # end at the start + its length, not at the end of every chunk.
+        start = self._idx
+        super().prepare(left_padding=left_padding, lengths=lengths, right_padding=right_padding)
+        self._real_end = None
+        if self._right_padding is not None and lengths is not None:
+            lengths = mx.array(lengths).tolist()
+            lp = mx.array(left_padding).tolist() if left_padding is not None else [0] * len(lengths)
+            self._real_end = [start + l + n for l, n in zip(lp, lengths)]
 
     def _real_tokens(self, T: int) -> List[int]:
         """How many of this chunk's T positions are real tokens, per row."""
@@ -214,6 +227,9 @@ class PoolBatchKVCache(BatchKVCache):
         lp = self.left_padding.tolist()
         rp = self._right_padding.tolist() if self._right_padding is not None else [0] * len(lp)
         start = self._idx
+        if self._right_padding is not None and self._real_end is not None:
+            return [max(0, min(T, e - start) - max(0, l - start))
+                    for l, e in zip(lp, self._real_end)]
         return [max(0, T - max(0, l - start) - r) for l, r in zip(lp, rp)]
 
     def update_and_fetch(self, keys, values):

@@ -1,0 +1,174 @@
+"""How the pool scales with processes: ``python -m tools.bench_scale``.
+
+N independent processes attach to one pool by name and run one mix for a
+fixed time, all starting together; the table gives ops/s summed over the
+processes, the ratio to N=1, and the p50/p99 of the waits for the pool lock
+(a wait: the time an operation spent in the lock's slow path, after the
+fast path's short spin failed; ``waited`` is the share of operations that
+waited at all).
+
+Mixes (block size 16):
+
+* ``batched``: ``get_new_blocks(16)`` + ``free_block_batch`` of them.
+* ``serving``: one request's life: create a table; ``acquire_computed_blocks``
+  on a shared 32-block system prompt plus about 4 blocks of its own (added to
+  the table); ``prepare_append`` for the rest, then ``cache_full_blocks``;
+  8 x ``prepare_append(t, 1)``; delete the table.
+
+    python -m tools.bench_scale --processes 1,2,4,8,16 --seconds 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BS = 16
+SYSTEM_BLOCKS = 32
+
+
+def _pct(xs, q) -> float:
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+# ------------------------------------------------------------------ worker
+def worker(name: str, mix: str, start_at: float, seconds: float, seed: int, out: str) -> int:
+    import shmcache
+    mgr = shmcache.attach(name)
+    waits = mgr._p.lock.wait_log = []
+    rng = random.Random(seed)
+    system = list(range(SYSTEM_BLOCKS * BS))
+    ops = 0
+    pid = os.getpid()
+    while time.time() < start_at:
+        time.sleep(0.0005)
+    end = start_at + seconds
+    if mix == "batched":
+        while time.time() < end:
+            for _ in range(64):
+                mgr.free_block_batch(mgr.get_new_blocks(16))
+            ops += 64
+    else:
+        while time.time() < end:
+            for _ in range(4):
+                rid = f"p{pid}.{ops}"
+                tokens = system + [rng.randrange(1 << 20, 1 << 30) for _ in range(4 * BS + rng.randrange(BS))]
+                t = mgr.create_block_table(rid)
+                blocks, cached = mgr.acquire_computed_blocks(tokens)
+                for b in blocks:
+                    mgr.add_block_to_table(t, b, BS)
+                mgr.prepare_append(t, len(tokens) - cached)
+                mgr.cache_full_blocks(t.block_ids, tokens, cached // BS, len(tokens) // BS)
+                for _ in range(8):
+                    mgr.prepare_append(t, 1)
+                mgr.delete_block_table(rid)
+                ops += 1
+    with open(out, "w") as f:
+        json.dump({"ops": ops, "waits_ns": waits}, f)
+    mgr.close()
+    return 0
+
+
+# ------------------------------------------------------------------ parent
+def run_point(mix: str, n: int, seconds: float, max_blocks: int) -> dict:
+    import shmcache
+    name = f"bscale-{os.getpid()}-{mix}-{n}"
+    mgr = shmcache.create_pool(name, block_size=BS, max_blocks=max_blocks,
+                               max_slots=max(64, 2 * n + 8), max_tables=max(1024, 64 * n),
+                               max_refs=8 * max_blocks)
+    tmp = tempfile.mkdtemp(prefix="bscale-")
+    procs = []
+    try:
+        # the shared system prompt, published once
+        sysp = list(range(SYSTEM_BLOCKS * BS))
+        t = mgr.create_block_table("system")
+        mgr.prepare_append(t, len(sysp))
+        mgr.cache_full_blocks(t.block_ids, sysp, 0, SYSTEM_BLOCKS)
+        mgr.delete_block_table("system")
+        start_at = time.time() + 1.0 + 0.15 * n       # after every process has attached
+        for i in range(n):
+            out = os.path.join(tmp, f"{i}.json")
+            procs.append((subprocess.Popen(
+                [sys.executable, "-m", "tools.bench_scale", "--worker", name, "--mix", mix,
+                 "--start-at", repr(start_at), "--seconds", str(seconds), "--seed", str(i),
+                 "--out", out], cwd=ROOT), out))
+        results = []
+        for p, out in procs:
+            if p.wait(timeout=seconds + 120) != 0:
+                raise RuntimeError(f"a {mix} worker exited with {p.returncode}")
+            with open(out) as f:
+                results.append(json.load(f))
+        ops = sum(r["ops"] for r in results)
+        waits = [w for r in results for w in r["waits_ns"]]
+        problems = mgr.check()
+        return {"mix": mix, "processes": n, "ops_per_s": ops / seconds,
+                "waited": len(waits) / max(1, ops),
+                "wait_p50_us": _pct(waits, 0.50) / 1e3, "wait_p99_us": _pct(waits, 0.99) / 1e3,
+                "violations": len(problems)}
+    finally:
+        for p, _ in procs:
+            if p.poll() is None:
+                p.kill()
+        mgr.destroy()
+
+
+def table(rows) -> str:
+    base = {}
+    lines = ["| mix | N | ops/s | x N=1 | waited | wait p50 | wait p99 |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        base.setdefault(r["mix"], r["ops_per_s"])
+        lines.append(f"| {r['mix']} | {r['processes']} | {r['ops_per_s']:,.0f} | "
+                     f"{r['ops_per_s'] / base[r['mix']]:.2f} | {100 * r['waited']:.1f}% | "
+                     f"{r['wait_p50_us']:.0f} µs | {r['wait_p99_us']:.0f} µs |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.bench_scale", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--processes", default=f"1,2,{os.cpu_count() or 2}",
+                    help="comma-separated process counts (default 1,2,<CPUs>)")
+    ap.add_argument("--seconds", type=float, default=4.0, help="run time per point (default 4)")
+    ap.add_argument("--mix", default="batched,serving", help="batched, serving or both")
+    ap.add_argument("--max-blocks", type=int, default=65536)
+    ap.add_argument("--json", metavar="PATH")
+    for a in ("--worker", "--start-at", "--seed", "--out"):
+        ap.add_argument(a, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker(args.worker, args.mix, float(args.start_at), args.seconds, int(args.seed),
+                      args.out)
+    try:
+        counts = sorted({int(x) for x in args.processes.split(",")})
+    except ValueError:
+        ap.error(f"--processes: not a list of integers: {args.processes!r}")
+    if not counts or counts[0] < 1:
+        ap.error("--processes: counts must be at least 1")
+    rows = []
+    for mix in args.mix.split(","):
+        if mix not in ("batched", "serving"):
+            ap.error(f"--mix: unknown mix {mix!r}")
+        for n in counts:
+            print(f"[bench_scale] {mix} N={n} ...", file=sys.stderr, flush=True)
+            rows.append(run_point(mix, n, args.seconds, args.max_blocks))
+    print(f"python -m tools.bench_scale --processes {args.processes} --seconds {args.seconds:g} "
+          f"(CPUs: {os.cpu_count()})")
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 1 if any(r["violations"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -4,7 +4,9 @@
 model), starts ``--workers`` worker processes (``shmcache.server.worker``)
 that attach to it by name, and sends each request to the least-loaded live
 worker. The cache is shared, so any worker finds any other's prefixes: no
-cache-aware routing is needed.
+cache-aware routing is needed. One exception: a request whose first block
+is being prefilled by a worker right now goes to that worker, so that two
+workers never compute one uncached prefix at the same time.
 
 When a worker dies, the pool releases what it held (``reclaim_dead``), a
 new worker is started in its place, and its requests are re-run on the
@@ -32,6 +34,7 @@ import msgspec
 
 import shmcache
 
+from ..layout import FLAG_CACHED
 from . import wire
 from .protocol import Error, SampleDone, SamplingParams, Started, Tokens
 
@@ -106,8 +109,13 @@ class WorkerBackend:
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self._create_pool)
+        # On this (the main) thread, not in an executor: pool_layout runs the
+        # model once, which fills MLX's *thread-local* compile cache (swiglu,
+        # ...). An executor thread destroys that cache at its exit, after
+        # Python has let it go, and the destructor takes the GIL: racing the
+        # interpreter's finalization at shutdown, that aborted the server
+        # ("terminate called without an active exception", exit 134).
+        self._create_pool()
         self.workers = [_Worker(i) for i in range(self.n_workers)]
         for w in self.workers:
             await self._spawn(w)
@@ -182,8 +190,23 @@ class WorkerBackend:
             return None
         return min(live, key=lambda w: (sum(f.gen.params.n for f in w.flights.values()), w.idx))
 
+    def _prefilling_same_prefix(self, f: _Flight) -> Optional[_Worker]:
+        """A live worker that is prefilling a request whose first block is
+        ``f``'s: sent there, ``f`` finds that prefix published instead of
+        computing it a second time in parallel (a worker prefills one
+        request at a time)."""
+        head = f.gen.prompt[:self.block_size]
+        if len(head) < self.block_size:
+            return None
+        for w in self.workers:
+            if w.ready.is_set() and w.proc.returncode is None and any(
+                    not g.started and g.gen.prompt[:self.block_size] == head
+                    and g.gen.params.salt == f.gen.params.salt for g in w.flights.values()):
+                return w
+        return None
+
     async def _dispatch(self, f: _Flight) -> None:
-        w = self._pick()
+        w = self._prefilling_same_prefix(f) or self._pick()
         while w is None:
             if self._closing:
                 f.q.put_nowait(Error("the server is shutting down", 503))
@@ -229,9 +252,17 @@ class WorkerBackend:
         m = self.mgr
         if m is None:
             return {}
-        s = m.get_stats()
-        return dict(blocks_total=m.max_blocks - 1, blocks_used=s.allocated_blocks,
-                    blocks_free=s.free_blocks, blocks_cached=s.total_tokens_cached // self.block_size,
+        # Block 0 (the null block) is always referenced and never cached:
+        # leave it out. A cached block with no references sits on the free
+        # list (evicted when taken), so get_stats()'s free_blocks counts it,
+        # and its total_tokens_cached is the tokens of *referenced* blocks:
+        # neither says what the prefix cache holds. Count the flags instead.
+        n = m.max_blocks
+        with m._p.lock:
+            ref = m._p.blocks["ref_count"][1:n] > 0
+            cached = (m._p.blocks["flags"][1:n] & FLAG_CACHED) != 0
+            used, n_cached, free = int(ref.sum()), int(cached.sum()), int((~ref & ~cached).sum())
+        return dict(blocks_total=n - 1, blocks_used=used, blocks_free=free, blocks_cached=n_cached,
                     preemptions=sum(w.preemptions for w in self.workers),
                     worker_restarts=self.restarts,
                     workers_alive=sum(1 for w in self.workers if w.ready.is_set()

@@ -167,9 +167,25 @@ def run(args) -> int:
                 await server.serve(sockets=[sock])
             finally:
                 closing = True
+                # A second Ctrl-C (SIGINT after SIGINT or SIGTERM) makes uvicorn skip
+                # the lifespan's shutdown; asyncio.run would then cancel the
+                # lifespan task, which Starlette reports as a failed shutdown
+                # (a CancelledError traceback). Send it the shutdown instead.
+                lifespan = getattr(server, "lifespan", None)
+                if (server.started and not life.closed and lifespan is not None
+                        and not getattr(lifespan, "error_occurred", True)):
+                    await lifespan.shutdown()
                 # The lifespan closes the backend; not when uvicorn skipped it
-                # (a second Ctrl-C, or a signal during startup).
+                # (a signal during startup).
                 await life.close()
+                # After a forced exit, requests still running have just been
+                # told that the server is shutting down: let them say so
+                # (asyncio.run would cancel them, each an "Exception in ASGI
+                # application" traceback).
+                state = getattr(server, "server_state", None)
+                tasks = [t for t in getattr(state, "tasks", ()) if not t.done()]
+                if tasks:
+                    await asyncio.wait(tasks, timeout=2)
 
         try:
             asyncio.run(serve())

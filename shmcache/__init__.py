@@ -16,16 +16,16 @@ except Exception as _e:  # noqa: BLE001 - a BLAS choice must not break import
     import logging as _logging
     _logging.getLogger(__name__).warning("shmcache: fast BLAS setup failed: %r", _e)
 
-from .errors import (CapacityError, IncompatiblePoolError, InsufficientSharedMemoryError,
-                     OutOfBlocksError, PoolClosedError, PoolExistsError, PoolNotFoundError,
-                     ShmCacheError)
+from .errors import (CapacityError, CorruptPoolError, IncompatiblePoolError,
+                     InsufficientSharedMemoryError, OutOfBlocksError, PoolClosedError,
+                     PoolExistsError, PoolNotFoundError, ShmCacheError, UnsafePoolError)
 from .paged_cache import PagedCacheManager
 from .pool import Pool
 
 __all__ = ["create_pool", "attach", "destroy", "PagedCacheManager", "ShmCacheError",
            "PoolNotFoundError", "PoolExistsError", "IncompatiblePoolError",
            "InsufficientSharedMemoryError", "OutOfBlocksError", "CapacityError",
-           "PoolClosedError"]
+           "PoolClosedError", "CorruptPoolError", "UnsafePoolError"]
 
 
 def create_pool(name: str, *, block_size: int = 64, max_blocks: int = 1000,
@@ -51,9 +51,14 @@ def create_pool(name: str, *, block_size: int = 64, max_blocks: int = 1000,
 def attach(name: str, timeout: float = 5.0) -> PagedCacheManager:
     """A manager over the existing pool ``name``, from any process of the same user.
 
+    A pool still being created is waited for, up to ``timeout`` seconds.
+
     Raises:
         PoolNotFoundError: no such pool.
-        IncompatiblePoolError: not a shmcache pool, or another layout version.
+        UnsafePoolError: another user owns the segment, or others can write it.
+        IncompatiblePoolError: not a shmcache pool, another layout version, or
+            never initialised (its creator died); CorruptPoolError (a
+            subclass): a header that does not describe the file.
     """
     return PagedCacheManager(_pool=Pool.attach(name, timeout))
 

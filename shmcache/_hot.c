@@ -16,6 +16,14 @@
  * NOTE: crash consistency is the Python code's: the dirty mark is set (with a
  * fence) before the first shared write and cleared after the last, so a
  * holder killed in between leaves a pool that the next holder repairs.
+ *
+ * Every index read from shared memory (free-list links, the free-record list
+ * head and links, the slot's list head) is checked against its structure's
+ * size before it is used. One out of range means a corrupt pool: the op
+ * gives up (before its first write when the check can be made then, else
+ * leaving the pool dirty, as a crash would) and returns None, and the Python
+ * path, which finds the pool dirty or meets the same index, repairs or
+ * raises CorruptPoolError. No index is followed outside the segment.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -24,6 +32,28 @@
 #include <time.h>
 
 #include "_hot_mutex.h"
+
+/* The Hot object, with what the fused ops need beyond _hot_mutex.h's
+ * parameters: how many reference records there are. */
+typedef struct {
+    Hot h;
+    Py_ssize_t max_refs;    /* record ids the fused ops accept: [0, max_refs) */
+} HotX;
+
+#define MAX_REFS(h) (((HotX *)(h))->max_refs)
+#define IS_BLOCK(h, b) ((b) >= 1 && (b) < (h)->p[P_MAX_BLOCKS])
+#define IS_REC(h, r) ((r) >= 0 && (r) < MAX_REFS(h))
+
+/* The most records that fit between the records' offset and the end of the
+ * mapping (0 when the fused ops are off). */
+static Py_ssize_t
+refs_room(Hot *h)
+{
+    if (h->p[P_MAX_SLOTS] <= 0 || h->p[P_REF_SIZE] <= 0 || h->p[P_REFS_OFF] <= 0 ||
+        h->p[P_REFS_OFF] >= h->view.len)
+        return 0;
+    return (h->view.len - h->p[P_REFS_OFF]) / h->p[P_REF_SIZE];
+}
 
 static int
 Hot_init(Hot *self, PyObject *args, PyObject *kw)
@@ -58,11 +88,41 @@ Hot_init(Hot *self, PyObject *args, PyObject *kw)
         self->has_view = 0;
         return -1;
     }
+    /* the fused ops index blocks (with the two sentinels) and slots: those
+     * arrays must lie inside the mapping */
+    if (self->p[P_MAX_SLOTS] > 0 &&
+        (self->p[P_MAX_BLOCKS] < 1 || self->p[P_BLOCKS_OFF] < 0 || self->p[P_SLOTS_OFF] < 0 ||
+         self->p[P_BLOCKS_OFF] + (self->p[P_MAX_BLOCKS] + 2) * self->p[P_BLOCK_SIZE] > self->view.len ||
+         self->p[P_SLOTS_OFF] + self->p[P_MAX_SLOTS] * self->p[P_SLOT_SIZE] > self->view.len)) {
+        PyErr_SetString(PyExc_ValueError, "buffer too small for the pool's blocks and slots");
+        PyBuffer_Release(&self->view);
+        self->has_view = 0;
+        return -1;
+    }
     self->base = (char *)self->view.buf;
     self->mutex = (pthread_mutex_t *)(self->base + self->p[P_MUTEX_OFF]);
     self->c = (int64_t *)(self->base + self->p[P_COUNTERS_OFF]);
     self->created_at = created_at;
+    MAX_REFS(self) = refs_room(self);   /* until set_max_refs() says exactly */
     return 0;
+}
+
+/* set_max_refs(n): the pool's record count (at most what fits the mapping). */
+static PyObject *
+Hot_set_max_refs(Hot *self, PyObject *arg)
+{
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    if (!hot_ready(self))
+        return NULL;
+    if (n < 0 || n > refs_room(self)) {
+        PyErr_Format(PyExc_ValueError, "max_refs %zd does not fit the mapping (room for %zd)",
+                     n, refs_room(self));
+        return NULL;
+    }
+    MAX_REFS(self) = n;
+    Py_RETURN_NONE;
 }
 
 static void
@@ -140,7 +200,8 @@ Hot_alloc(Hot *h, PyObject *args)
         return NULL;
     if (!hot_ready(h))
         return NULL;
-    if (n <= 0 || slot < 0 || slot >= h->p[P_MAX_SLOTS])
+    /* (more than the pool has: the slow path raises, before any allocation) */
+    if (n <= 0 || n >= h->p[P_MAX_BLOCKS] || slot < 0 || slot >= h->p[P_MAX_SLOTS])
         Py_RETURN_NONE;
     if (n > 64) {
         bs = PyMem_Malloc(n * sizeof(int32_t));
@@ -163,9 +224,10 @@ Hot_alloc(Hot *h, PyObject *args)
             leave(h, 0);
             goto busy;
         }
-        /* read-only walk first: nothing changes unless all of it works */
+        /* read-only walk first: nothing changes unless all of it works (and
+         * every id read is in range: else the slow path meets the same one) */
         for (i = 0; i < n; i++) {
-            if (b < 0 || b >= HEAD || (FLAGS(h, b) & CACHED) || r < 0) {
+            if (!IS_BLOCK(h, b) || (FLAGS(h, b) & CACHED) || !IS_REC(h, r)) {
                 leave(h, 0);
                 goto busy;
             }
@@ -173,6 +235,11 @@ Hot_alloc(Hot *h, PyObject *args)
             rs[i] = r;
             b = NEXT(h, b);
             r = RNEXT(h, r);
+        }
+        /* b, r: the first ones not taken, the new heads */
+        if (!(IS_BLOCK(h, b) || b == HEAD + 1) || !(IS_REC(h, r) || r == -1)) {
+            leave(h, 0);
+            goto busy;
         }
         clock_gettime(CLOCK_REALTIME, &ts);
         now = (float)((double)ts.tv_sec + ts.tv_nsec * 1e-9 - h->created_at);
@@ -311,60 +378,79 @@ Hot_free(Hot *h, PyObject *args)
         const int32_t HEAD = (int32_t)h->p[P_MAX_BLOCKS], TAIL = HEAD + 1;
         const uint16_t CACHED = (uint16_t)h->p[P_FLAG_CACHED];
         int32_t fr = (int32_t)C(h, P_C_FREE_REF);
+        int corrupt = 0, nomem = 0;
         begin_update(h);
         for (i = 0; i < n; i++) {
-            int32_t b = bs[i], hd, x;
-            PyObject *bo = PySequence_Fast_GET_ITEM(fast, i), *recs, *ro;
-            Py_ssize_t k;
+            int32_t b = bs[i], hd = SF(h, slot, P_S_HEAD), hb = 0, x, nb;
+            PyObject *bo = PySequence_Fast_GET_ITEM(fast, i), *recs, *ro, *lst = NULL;
+            Py_ssize_t k, m, q = 0;
             long r;
-            /* recs.pop(); if not recs: del loose[b]  (no allocation) */
-            recs = PyDict_GetItem(loose, bo);
+            int cached = (FLAGS(h, b) & CACHED) != 0;
+            /* checks first: every index read from shared memory in range,
+             * and the map agreeing with the slot's list; then the change */
+            recs = PyDict_GetItem(loose, bo);   /* held: checked above */
             k = PyList_GET_SIZE(recs);
             ro = PyList_GET_ITEM(recs, k - 1);
-            Py_SET_SIZE(recs, k - 1);
             r = PyLong_AsLong(ro);
-            hd = SF(h, slot, P_S_HEAD);
+            if (!IS_REC(h, hd) || !IS_REC(h, r)) {
+                PyErr_Clear();
+                corrupt = 1;
+                break;
+            }
+            if (r != hd) {
+                PyObject *hbo;
+                hb = RBLOCK(h, hd);
+                hbo = PyLong_FromLong(hb);
+                if (!hbo) {
+                    nomem = 1;
+                    break;
+                }
+                lst = PyDict_GetItem(loose, hbo);
+                Py_DECREF(hbo);
+                if (!lst || !PyList_CheckExact(lst)) {
+                    corrupt = 1;
+                    break;
+                }
+                m = lst == recs ? k - 1 : PyList_GET_SIZE(lst);
+                for (q = 0; q < m; q++)
+                    if (PyLong_AsLong(PyList_GET_ITEM(lst, q)) == hd)
+                        break;
+                PyErr_Clear();      /* (the map holds ints: never set) */
+                if (q == m) {
+                    corrupt = 1;
+                    break;
+                }
+            }
+            x = REF(h, b) - 1;
+            if (x == 0) {
+                nb = cached ? PREV(h, TAIL) : NEXT(h, HEAD);
+                if (!IS_BLOCK(h, nb) && nb != (cached ? HEAD : TAIL)) {
+                    corrupt = 1;
+                    break;
+                }
+            }
+            /* recs.pop(); if not recs: del loose[b]  (no allocation) */
+            Py_SET_SIZE(recs, k - 1);           /* we own ro now */
             if (r != hd) {
                 /* move the head's block into r, then pop the head: O(1)
                  * removal from a singly linked list */
-                int32_t hb = RBLOCK(h, hd);
-                PyObject *hbo = PyLong_FromLong(hb), *lst;
-                Py_ssize_t m, q;
+                PyObject *old = PyList_GET_ITEM(lst, q);
                 RBLOCK(h, r) = hb;
-                lst = hbo ? PyDict_GetItem(loose, hbo) : NULL;
-                Py_XDECREF(hbo);
-                if (!lst) {     /* only on MemoryError: the map is resynced */
-                    Py_DECREF(ro);
-                    ro = NULL;
-                    ok = 0;
-                }
-                else {
-                    m = PyList_GET_SIZE(lst);
-                    for (q = 0; q < m; q++)
-                        if (PyLong_AsLong(PyList_GET_ITEM(lst, q)) == hd)
-                            break;
-                    if (q < m) {
-                        PyObject *old = PyList_GET_ITEM(lst, q);
-                        PyList_SET_ITEM(lst, q, ro);    /* steals ro */
-                        Py_DECREF(old);
-                        ro = NULL;
-                    }
-                    else
-                        ok = 0;
-                }
+                PyList_SET_ITEM(lst, q, ro);    /* steals ro */
+                Py_DECREF(old);
             }
-            Py_XDECREF(ro);
+            else
+                Py_DECREF(ro);
             if (k == 1)
                 PyDict_DelItem(loose, bo);
             SF(h, slot, P_S_HEAD) = RNEXT(h, hd);   /* commit: b's reference is gone */
             RBLOCK(h, hd) = -1;
             RNEXT(h, hd) = fr;
             fr = hd;
-            x = REF(h, b) - 1;
             REF(h, b) = x;
             if (x == 0) {
                 freed++;
-                if (FLAGS(h, b) & CACHED) {     /* to the back: evicted last */
+                if (cached) {                   /* to the back: evicted last */
                     int32_t lb = PREV(h, TAIL);
                     NEXT(h, lb) = b;
                     PREV(h, b) = lb;
@@ -380,11 +466,18 @@ Hot_free(Hot *h, PyObject *args)
                 }
             }
         }
+        /* i references dropped (all n, unless stopped) */
         C(h, P_C_FREE_REF) = fr;
-        C(h, P_C_FREE_REFS) += n;
+        C(h, P_C_FREE_REFS) += i;
         C(h, P_C_NUM_FREE) += freed;
-        SF(h, slot, P_S_COUNT) -= (int32_t)n;
+        SF(h, slot, P_S_COUNT) -= (int32_t)i;
+        if (corrupt) {
+            /* left dirty: the slow path repairs, then does or refuses the rest */
+            leave(h, 0);
+            goto busy;
+        }
         leave(h, 1);
+        ok = !nomem;
     }
     result = ok ? PyLong_FromSsize_t(freed) : NULL;
     if (!ok) {
@@ -407,6 +500,7 @@ done:
 
 static PyMethodDef Hot_methods[] = {
     {"release", (PyCFunction)Hot_release, METH_NOARGS, "Release the buffer (before unmapping)."},
+    {"set_max_refs", (PyCFunction)Hot_set_max_refs, METH_O, "set_max_refs(n): the pool's reference-record count."},
     {"init_mutex", (PyCFunction)Hot_init_mutex, METH_NOARGS, "Initialise the robust mutex (creator only)."},
     {"trylock", (PyCFunction)Hot_trylock, METH_NOARGS, "0 locked, 1 locked after the holder died, -1 busy."},
     {"lock", (PyCFunction)Hot_lock, METH_NOARGS, "Wait for the lock (GIL released); 1 if the holder died."},
@@ -420,7 +514,7 @@ static PyMethodDef Hot_methods[] = {
 static PyTypeObject HotType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "shmcache._hot.Hot",
-    .tp_basicsize = sizeof(Hot),
+    .tp_basicsize = sizeof(HotX),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Hot(buffer, params, created_at): the pool mutex and fused operations.",
     .tp_new = PyType_GenericNew,

@@ -11,9 +11,12 @@
 
 Exit codes: 0 success; 1 fsck found violations (left after ``--repair``) or a
 named ``cleanup`` kept a live pool; 2 an error (unknown pool, not a pool, an
-incompatible layout version, bad arguments), reported in one line on stderr.
+incompatible layout version, a corrupt header, a segment another user owns or
+can write, bad arguments), reported in one line on stderr.
 ``top`` exits 0 on Ctrl-C. ``list``, ``inspect`` and ``top`` take no slot and
-change nothing; ``fsck`` attaches (taking a slot until it exits).
+change nothing; ``fsck`` checks a private copy of the read-only mapped
+metadata and changes nothing, not even the lock word; ``fsck --repair``
+attaches (taking a slot until it exits) and repairs.
 """
 
 from __future__ import annotations
@@ -73,7 +76,8 @@ def cmd_list(args) -> int:
         alive = "yes" if d["owner_alive"] else "DEAD"
         if "max_blocks" not in d:
             rows.append((n, str(d["owner_pid"]), alive, "-", "-", human_bytes(d["size_bytes"]),
-                         "initialising"))
+                         "initialising" if d.get("creating") else
+                         "never initialised (its creator died creating it)"))
             continue
         rows.append((n, str(d["owner_pid"]), alive, str(d["attached"]), str(d["max_blocks"]),
                      human_bytes(d["size_bytes"]),
@@ -167,9 +171,38 @@ def cmd_top(args) -> int:
 
 
 # ------------------------------------------------------------------- fsck
+def _fsck_read_only(name: str) -> int:
+    # No slot, no lock, no recovery: the check runs on a private copy of the
+    # read-only mapped metadata (PoolView.fsck), so not one byte changes.
+    with _open(name) as v:
+        r = v.fsck()
+    problems, s = r["problems"], r["stats"]
+    if r["dirty"]:
+        print(f"{name}: marked dirty (a lock holder died mid-update, or is inside one): its "
+              f"next lock holder rebuilds the derived state; 'shmcache fsck --repair {name}' "
+              "does it now")
+    if not r["stable"]:
+        print(f"{name}: the pool kept changing: this check is of a copy taken mid-operation")
+    for line in problems:
+        print(f"{name}: {line}")
+    if problems:
+        print(f"{name}: {len(problems)} violation(s); run 'shmcache fsck --repair {name}'",
+              file=sys.stderr)
+        return 1
+    dead = [h for h in r["holders"] if not h["alive"]]
+    print(f"{name}: consistent: {s['total_blocks']} blocks, {s['allocated_blocks']} "
+          f"allocated, {s['free_blocks']} free, {r['tables']} tables, "
+          f"{len(r['holders'])} attached managers"
+          + (f" ({len(dead)} dead, holding {_held(dead)} references: "
+             "--repair releases them)" if dead else ""))
+    return 0
+
+
 def cmd_fsck(args) -> int:
     import shmcache
     from . import recovery
+    if not args.repair:
+        return _fsck_read_only(args.name)
     with _open(args.name) as v:
         dirty = bool(v.c[L.C_DIRTY])
     mgr = shmcache.attach(args.name, timeout=1.0)
@@ -180,20 +213,6 @@ def cmd_fsck(args) -> int:
             print(f"{args.name}: was marked dirty (a lock holder died mid-update); "
                   "it was rebuilt on first lock")
         dead = [h for h in mgr.holdings() if not h["alive"]]
-        if not args.repair:
-            for line in problems:
-                print(f"{args.name}: {line}")
-            if problems:
-                print(f"{args.name}: {len(problems)} violation(s); run 'shmcache fsck --repair "
-                      f"{args.name}'", file=sys.stderr)
-                return 1
-            s = mgr.get_stats()
-            print(f"{args.name}: consistent: {s.total_blocks} blocks, {s.allocated_blocks} "
-                  f"allocated, {s.free_blocks} free, {p.c[L.C_NUM_TABLES]} tables, "
-                  f"{len(mgr.holdings()) - 1} other holders"
-                  + (f" ({len(dead)} dead, holding {_held(dead)} references: "
-                     "--repair releases them)" if dead else ""))
-            return 0
         for line in problems:
             print(f"{args.name}: found: {line}")
         before = recovery.scan_stats(p)

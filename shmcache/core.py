@@ -15,7 +15,7 @@ from . import layout as L
 from . import recovery
 from .blocks import (BlockHash, CacheBlock, CacheStats, chain_hash,
                      extra_bytes, token_bytes)
-from .errors import CapacityError, PoolClosedError
+from .errors import CapacityError, CorruptPoolError, PoolClosedError
 from .freelist import SharedFreeQueue
 from .pool import Pool
 from .refs import RefStore
@@ -72,7 +72,12 @@ def _close(p: Pool, refs: RefStore, destroy: bool, finalizing: bool = False) -> 
         return
     try:
         with p.lock:
-            _release_slot_holdings(p, refs, p.slot)
+            try:
+                _release_slot_holdings(p, refs, p.slot)
+            except CorruptPoolError:
+                # Pool.corrupt has rebuilt the lists from the records:
+                # release what they now hold.
+                _release_slot_holdings(p, refs, p.slot)
             p.release_slot()
             # before the lock is released: a thread waiting for it must not
             # run an operation with no slot (slot -1 is another's slot)
@@ -96,6 +101,8 @@ def _close(p: Pool, refs: RefStore, destroy: bool, finalizing: bool = False) -> 
 
 def _release_block(p: Pool, fq: SharedFreeQueue, b: int) -> None:
     r = p.b_ref[b] - 1
+    if r < 0:
+        raise p.corrupt(f"block {b} is referenced but its ref_count is {r + 1}")
     p.b_ref[b] = r
     if r == 0:
         if p.b_flags[b] & L.FLAG_CACHED:
@@ -257,7 +264,11 @@ class PoolOps:
         return b
 
     def _ensure_free(self, n: int) -> bool:
-        if self._p.c[L.C_NUM_FREE] >= n:
+        free = self._p.c[L.C_NUM_FREE]
+        if not 0 <= free < self.max_blocks:
+            raise self._p.corrupt(f"the free-block counter is {free}, outside "
+                                  f"[0, {self.max_blocks})")
+        if free >= n:
             return True
         self._reclaim_locked()
         return self._p.c[L.C_NUM_FREE] >= n
@@ -265,6 +276,8 @@ class PoolOps:
     def _take_ref(self, b: int) -> None:
         p = self._p
         if p.b_ref[b] == 0:
+            if p.b_prev[b] < 0 or p.b_next[b] < 0:
+                raise p.corrupt(f"block {b} has no references but is not in the free list")
             self._fq.remove_id(b)
         p.b_ref[b] += 1
         p.b_last[b] = p.now()
@@ -302,25 +315,43 @@ class PoolOps:
         if isinstance(table, SharedBlockTable) and table._m._p is p:
             t = table._t
             if p.t_state[t] == 1 and int(p.tables["rid_hash"][t]) == table._rh:
-                return t
+                return self._checked_table(t)
             raise KeyError(f"block table {table.request_id!r} no longer exists")
         rid = getattr(table, "request_id", table)
         raw, h = _rid_key(rid)
         t = self._tindex.find(raw, h)
         if t < 0:
             raise KeyError(f"no block table for request {rid!r}")
+        return self._checked_table(t)
+
+    def _checked_table(self, t: int) -> int:
+        # the fields every table operation indexes with, checked once here
+        p = self._p
+        nrefs = p.layout.max_refs
+        if not (-1 <= p.t_head[t] < nrefs and -1 <= p.t_tail[t] < nrefs
+                and 0 <= p.t_len[t] <= nrefs and p.t_tok[t] >= 0):
+            raise p.corrupt(f"table {t}: head {p.t_head[t]}, tail {p.t_tail[t]}, length "
+                            f"{p.t_len[t]}, tokens {p.t_tok[t]} do not describe a list")
         return t
+
+    def _rid_of(self, t: int) -> str:
+        raw = bytes(self._p.tables["request_id"][t])
+        try:
+            rid = raw.decode()
+            if _rid_key(rid)[1] == int(self._p.tables["rid_hash"][t]):
+                return rid
+        except (TypeError, ValueError):         # (UnicodeDecodeError is a ValueError)
+            pass
+        raise self._p.corrupt(f"table {t}: request id {raw!r} does not match its hash")
 
     def _table_view(self, t: int) -> SharedBlockTable:
         p = self._p
-        rid = bytes(p.tables["request_id"][t]).decode()
-        return SharedBlockTable(self, t, rid, int(p.tables["rid_hash"][t]))
+        return SharedBlockTable(self, t, self._rid_of(t), int(p.tables["rid_hash"][t]))
 
     def _table_ids(self) -> list:
         with self._p.lock:
             st = self._p.tables
-            return [bytes(st["request_id"][t]).decode()
-                    for t in np.flatnonzero(st["state"] == 1).tolist()]
+            return [self._rid_of(t) for t in np.flatnonzero(st["state"] == 1).tolist()]
 
     def _new_table(self, request_id: str) -> int:
         p = self._p
@@ -341,7 +372,55 @@ class PoolOps:
         self._tindex.insert(t, h)
         p.t_state[t] = 1           # commit
         p.c[L.C_NUM_TABLES] += 1
+        self._tcache[t] = (h, None, {})
         return t
+
+    def _holds(self, b: int) -> bool:
+        """Whether this manager holds a reference to block ``b`` (lock held):
+        a loose one, or one in a table it owns.
+
+        Tables are looked at through ``_tcache`` (table -> (rid hash, (head,
+        tail, length) when read, {block: record})): a table's map is re-read
+        when its list changed, and a record found is re-checked. A block
+        found in no map is looked for once more in maps all read afresh (a
+        copy-on-write rewrites a record in place).
+        """
+        if self._refs.loose.get(b):
+            return True
+        return self._in_own_table(b, 1) or self._in_own_table(b, 2)
+
+    def _holds_fast(self, b: int) -> bool:
+        """``_holds`` without the lock, from what is known already: True only
+        for a loose reference or a table map that is still current (False
+        means "ask ``_holds``")."""
+        return (self._epoch == self._p.c[L.C_EPOCH]
+                and (bool(self._refs.loose.get(b)) or self._in_own_table(b, 0)))
+
+    def _in_own_table(self, b: int, read: int) -> bool:
+        # read: 0 maps as they are (a changed table is skipped), 1 re-read
+        # the changed ones, 2 re-read all
+        p = self._p
+        st, ow, rh = p.t_state, p.t_owner, p.t_rhash
+        cache = self._tcache
+        for t in list(cache):
+            entry = cache.get(t)        # (another thread may drop it meanwhile)
+            if entry is None:
+                continue
+            h, key, recs = entry
+            if st[t] != 1 or ow[t] != p.slot or rh[t] != h:
+                if read:
+                    cache.pop(t, None)
+                continue
+            cur = (p.t_head[t], p.t_tail[t], p.t_len[t])
+            if read == 2 or cur != key:
+                if not read:
+                    continue
+                recs = {p.r_block[r]: r for r in self._refs.table_records(t)}
+                cache[t] = (h, cur, recs)
+            r = recs.get(b)
+            if r is not None and p.r_block[r] == b:
+                return True
+        return False
 
     def _table_add(self, table, block, tokens_in_block: int, set_block_tokens=True) -> None:
         with self._p.lock:

@@ -17,6 +17,18 @@ class IncompatiblePoolError(ShmCacheError):
     """The segment is not a shmcache pool, or was written by another layout version."""
 
 
+class CorruptPoolError(IncompatiblePoolError):
+    """The segment's contents contradict themselves: a header whose sizes and
+    offsets do not fit the file, or a shared index, link or list that points
+    outside its structure. Found under the lock, the pool is left marked dirty,
+    so its next lock holder rebuilds the derived state from the records."""
+
+
+class UnsafePoolError(ShmCacheError, PermissionError):
+    """The segment belongs to another user, or others can write it: whoever
+    can write a segment can crash or misdirect every process attached to it."""
+
+
 class InsufficientSharedMemoryError(ShmCacheError, MemoryError):
     """/dev/shm cannot hold the pool."""
 

@@ -27,6 +27,16 @@ def alloc_loose(mgr, n: int) -> list:
     loose = mgr._refs.loose
     now = time.time() - p.created_at
     fr = c[C_FREE_REF]
+    # read-only walk first (as _hot.c's): every block and record id read from
+    # shared memory in range, or nothing changes
+    b, r, nrefs = nxt[HEAD], fr, p.layout.max_refs
+    for i in range(n):
+        if not 0 < b < HEAD or not 0 <= r < nrefs:
+            raise p.corrupt(f"free list or free-record list broken {i} entries in "
+                            f"(block {b}, record {r})")
+        b, r = nxt[b], rn[r]
+    if not (0 < b < HEAD or b == TAIL):
+        raise p.corrupt(f"free list broken {n} entries in (block {b})")
     b = nxt[HEAD]
     ids = []
     for _ in range(n):
@@ -71,18 +81,34 @@ def free_loose(mgr, ids) -> int:
     loose = mgr._refs.loose
     fr = c[C_FREE_REF]
     freed = 0
+    nrefs = p.layout.max_refs
+    k = 0
     for b in ids:
+        # checks first (every id read from shared memory), then the change
         recs = loose[b]
-        r = recs.pop()
+        r, h = recs[-1], s_head[s]
+        if not (0 <= r < nrefs and 0 <= h < nrefs):
+            _abort_free(p, c, fr, k, freed, s_count, s)
+            raise p.corrupt(f"slot {s}'s loose list: record {r} or head {h} out of range")
+        if r != h:
+            hb = rb[h]
+            lst = loose.get(hb)
+            if not lst or h not in lst:
+                _abort_free(p, c, fr, k, freed, s_count, s)
+                raise p.corrupt(f"slot {s}'s loose list head {h} (block {hb}) is not among "
+                                "the references this manager holds")
+        if ref[b] == 1:
+            nb = prv[TAIL] if flags[b] & FLAG_CACHED else nxt[HEAD]
+            if not (0 < nb < HEAD or nb == (HEAD if flags[b] & FLAG_CACHED else TAIL)):
+                _abort_free(p, c, fr, k, freed, s_count, s)
+                raise p.corrupt(f"free list: an end links to {nb}")
+        recs.pop()
         if not recs:
             del loose[b]
-        h = s_head[s]
         if r != h:
             # Move the head's block into r, then pop the head: O(1) removal
             # from a singly linked list.
-            hb = rb[h]
             rb[r] = hb
-            lst = loose[hb]
             lst[lst.index(h)] = r
         s_head[s] = rn[h]              # commit: b's reference is gone
         rb[h] = -1
@@ -104,9 +130,19 @@ def free_loose(mgr, ids) -> int:
                 nxt[b] = first
                 prv[b] = HEAD
                 nxt[HEAD] = b
-    k = len(ids)
+        k += 1
     c[C_FREE_REF] = fr
     c[C_FREE_REFS] += k
     c[C_NUM_FREE] += freed
     s_count[s] -= k
     return freed
+
+
+def _abort_free(p, c, fr, k, freed, s_count, s) -> None:
+    # Corruption met after k references were dropped: account for those, so
+    # that what was done stays consistent (the repair that follows rebuilds
+    # everything from the records anyway).
+    c[C_FREE_REF] = fr
+    c[C_FREE_REFS] += k
+    c[C_NUM_FREE] += freed
+    s_count[s] -= k

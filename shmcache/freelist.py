@@ -30,13 +30,23 @@ class SharedFreeQueue:
     def num_free_blocks(self) -> int:
         return self.p.c[C_NUM_FREE]
 
+    # Every link read is checked before it is followed or written through:
+    # a block in [1, max_blocks), or the sentinel that may stand there. A
+    # link out of range is corruption (``Pool.corrupt``), never an index.
+    def _link(self, v: int, what: str, head_ok: bool, tail_ok: bool) -> int:
+        p = self.p
+        if 0 < v < p.HEAD or (head_ok and v == p.HEAD) or (tail_ok and v == p.TAIL):
+            return v
+        raise p.corrupt(f"free list: {what} is {v}, not a block"
+                        + (" or a sentinel" if head_ok or tail_ok else ""))
+
     def popleft_id(self) -> int:
         p = self.p
         nxt, prv = p.b_next, p.b_prev
-        b = nxt[p.HEAD]
+        b = self._link(nxt[p.HEAD], "the head's next", False, True)
         if b == p.TAIL:
             raise OutOfBlocksError("no free blocks available")
-        n = nxt[b]
+        n = self._link(nxt[b], f"block {b}'s next", False, True)
         nxt[p.HEAD] = n
         prv[n] = p.HEAD
         prv[b] = nxt[b] = -1
@@ -49,6 +59,8 @@ class SharedFreeQueue:
         pr, n = prv[b], nxt[b]
         if pr < 0 or n < 0:
             raise RuntimeError(f"Block {b} not in free queue")
+        self._link(pr, f"block {b}'s prev", True, False)
+        self._link(n, f"block {b}'s next", False, True)
         nxt[pr] = n
         prv[n] = pr
         prv[b] = nxt[b] = -1
@@ -57,7 +69,7 @@ class SharedFreeQueue:
     def append_id(self, b: int) -> None:
         p = self.p
         nxt, prv = p.b_next, p.b_prev
-        last = prv[p.TAIL]
+        last = self._link(prv[p.TAIL], "the tail's prev", True, False)
         nxt[last] = b
         prv[b] = last
         nxt[b] = p.TAIL
@@ -67,7 +79,7 @@ class SharedFreeQueue:
     def appendleft_id(self, b: int) -> None:
         p = self.p
         nxt, prv = p.b_next, p.b_prev
-        first = nxt[p.HEAD]
+        first = self._link(nxt[p.HEAD], "the head's next", False, True)
         prv[first] = b
         nxt[b] = first
         prv[b] = p.HEAD
@@ -79,10 +91,13 @@ class SharedFreeQueue:
         nxt = p.b_next
         out = []
         b = nxt[p.HEAD]
-        cap = p.layout.max_blocks if limit is None else limit
-        while b != p.TAIL and b >= 0 and len(out) < cap:
-            out.append(b)
+        most = p.layout.max_blocks - 1         # every block but the null block
+        cap = most if limit is None else min(limit, most)
+        while b != p.TAIL and len(out) < cap:
+            out.append(self._link(b, "a next link", False, False))
             b = nxt[b]
+        if limit is None and b != p.TAIL:
+            raise p.corrupt("free list: longer than the pool (a cycle)")
         return out
 
     # ---- the seed's names, over CacheBlock views --------------------------

@@ -24,7 +24,7 @@ import psutil
 
 from . import layout as L
 from . import recovery, segment
-from .errors import IncompatiblePoolError, PoolNotFoundError
+from .errors import CorruptPoolError, IncompatiblePoolError
 from .lock import ofd_held_by_other
 from .mutex import MUTEX_MAP_SIZE, open_mutex
 
@@ -51,22 +51,16 @@ class PoolView:
 
     Raises:
         PoolNotFoundError: no such segment.
+        UnsafePoolError: another user owns it, or others can write it.
         IncompatiblePoolError: not a shmcache pool, another layout version, or
-            (with ``require_ready``) not initialised.
+            (with ``require_ready``) not initialised; CorruptPoolError: a
+            header that does not describe the file.
     """
 
     def __init__(self, name: str, require_ready: bool = True) -> None:
         self.name = name
         self.path = segment.path_for(name)
-        try:
-            self.fd = os.open(self.path, os.O_RDWR)
-        except FileNotFoundError:
-            raise PoolNotFoundError(f"no shmcache pool named {name!r} ({self.path} does not exist)") from None
-        except PermissionError:
-            try:
-                self.fd = os.open(self.path, os.O_RDONLY)
-            except PermissionError:
-                raise IncompatiblePoolError(f"{self.path}: permission denied") from None
+        self.fd = segment.open_file(name, readonly_ok=True)
         self.mm = None
         self._lock_mm = self._lock = None
         try:
@@ -76,30 +70,27 @@ class PoolView:
             raise
 
     def _read_header(self, require_ready: bool) -> None:
-        self.size = os.fstat(self.fd).st_size
-        if self.size < L.HEADER_SIZE:
-            raise IncompatiblePoolError(f"{self.path} is not a shmcache pool ({self.size} bytes)")
-        raw = os.pread(self.fd, L.HEADER_DTYPE.itemsize, 0)
-        h = self.hdr = np.frombuffer(raw, L.HEADER_DTYPE)[0]
-        if bytes(h["magic"]) != L.MAGIC:
-            raise IncompatiblePoolError(f"{self.path} is not a shmcache pool (bad magic)")
-        if int(h["version"]) != L.LAYOUT_VERSION:
-            raise IncompatiblePoolError(
-                f"pool {self.name!r} has layout version {int(h['version'])}; "
-                f"this shmcache reads version {L.LAYOUT_VERSION}")
-        self.ready = int(h["ready"]) == 1
+        self.layout = None
+        self.ready = False
+        self.creating = False
+        try:
+            h, self.size = segment.read_ready_header(self.fd, self.name)
+        except IncompatiblePoolError:
+            # a pool being created, or whose creator died creating it
+            h, self.size = segment.read_header(self.fd)
+            if (require_ready or h is None or bytes(h["magic"]) != L.MAGIC
+                    or int(h["version"]) != L.LAYOUT_VERSION):
+                raise
+            self.creating = segment.being_created(self.fd)
+        else:
+            self.ready = True
+        self.hdr = h
         self.owner_pid = int(h["creator_pid"])
         self.owner_start = float(h["creator_start"])
         self.created_at = float(h["created_at"])
-        self.layout = None
         if not self.ready:
-            if require_ready:
-                raise IncompatiblePoolError(f"pool {self.name!r} is not initialised (no ready header)")
             return
-        lay = self.layout = L.layout_from_header(h)
-        if self.size < lay.total_size:
-            raise IncompatiblePoolError(
-                f"pool {self.name!r} is {self.size} bytes, its header says {lay.total_size}")
+        lay = self.layout = L.layout_from_header(h, self.size, f"pool {self.name!r}")
         self.mm = mmap.mmap(self.fd, lay.arena_off, mmap.MAP_SHARED, mmap.PROT_READ)
         self.counters = np.frombuffer(self.mm, np.int64, L.NUM_COUNTERS, lay.counters_off)
         self.c = self.counters
@@ -194,10 +185,61 @@ class PoolView:
             d["holders"] = self.holdings()
         return d
 
+    def fsck(self, settle: float = 1.0) -> dict:
+        """The invariant check of ``shmcache fsck`` without ``--repair``,
+        changing nothing: no slot, no lock, no recovery (the segment is
+        mapped read-only). The check runs on a private copy of the metadata,
+        taken while no lock holder changes it: a copy is kept when the pool
+        was clean before and after it and no operation ended meanwhile (every
+        holder marks the pool dirty while inside and counts its operation on
+        leaving), or, in a pool left dirty, when nothing changed for 20 ms.
+        After ``settle`` seconds without such a moment the last copy is used
+        (``stable`` False).
+
+        Returns:
+            {"problems": [...], "dirty": bool, "stable": bool, "stats":
+            recovery.scan_stats of the copy, "tables": int, "holders":
+            [holdings]}.
+        """
+        from .core import PoolOps
+        from .pool import Pool
+        lay, c = self.layout, self.c
+        deadline = time.monotonic() + settle
+        while True:
+            d0, o0 = int(c[L.C_DIRTY]), int(c[L.C_OPS])
+            data = bytes(self.mm[:lay.arena_off])
+            d1, o1 = int(c[L.C_DIRTY]), int(c[L.C_OPS])
+            stable = o0 == o1 and d0 == d1 == 0
+            if not stable and o0 == o1 and d0 == d1:
+                time.sleep(0.02)
+                stable = (int(c[L.C_OPS]) == o0 and int(c[L.C_DIRTY]) == d0
+                          and bytes(self.mm[:lay.arena_off]) == data)
+            if stable or time.monotonic() >= deadline:
+                break
+            time.sleep(0.001)
+        snap = _Snapshot(self.name, lay, bytearray(data))
+        Pool._map_views(snap, arena=False)
+        ops = PoolOps.__new__(PoolOps)
+        ops._p, ops.max_blocks = snap, lay.max_blocks
+        ops._hindex, ops._hhome, ops._tindex = snap.hindex, snap.hhome, snap.tindex
+        problems = recovery.check(ops)
+        holders = []
+        t = snap.tables
+        live_t = t["state"] == 1
+        for s in np.flatnonzero(snap.slots["state"] == 1).tolist():
+            mine = np.flatnonzero(live_t & (t["owner"] == s))
+            holders.append({"slot": s, "pid": int(snap.slots["pid"][s]),
+                            "alive": self.slot_alive(s), "tables": int(mine.size),
+                            "table_blocks": int(t["length"][mine].sum()),
+                            "loose_blocks": int(snap.slots["loose_count"][s])})
+        return {"problems": problems, "dirty": bool(snap.c[L.C_DIRTY]), "stable": stable,
+                "stats": recovery.scan_stats(snap), "tables": int(snap.c[L.C_NUM_TABLES]),
+                "holders": holders}
+
     def summary(self) -> dict:
         """The few figures ``shmcache list`` shows."""
         d = {"name": self.name, "owner_pid": self.owner_pid, "owner_alive": self.owner_alive(),
-             "size_bytes": self.size, "ready": self.ready}
+             "size_bytes": self.size, "ready": self.ready, "creating": self.creating}
         if self.layout is not None:
             n = self.layout.max_blocks
             d.update(max_blocks=n, block_size=self.layout.block_size,
@@ -231,6 +273,17 @@ class PoolView:
         self.close()
 
 
+class _Snapshot:
+    """A private copy of a pool's metadata with a Pool's views over it, for
+    ``recovery.check``; corruption met reading it is only reported."""
+
+    def __init__(self, name: str, lay: L.Layout, data: bytearray) -> None:
+        self.name, self.layout, self.mm = name, lay, data
+
+    def corrupt(self, what: str) -> CorruptPoolError:
+        return CorruptPoolError(f"pool {self.name!r} is corrupt: {what}")
+
+
 def block_bytes(lay: L.Layout) -> int:
     return lay.num_layers * 2 * lay.num_kv_heads * lay.block_size * lay.head_dim * L.ITEMSIZE[lay.dtype]
 
@@ -255,6 +308,15 @@ def cleanup(name: str):
     and attaches afterwards keeps a private, orphaned copy.
     """
     with PoolView(name, require_ready=False) as v:
+        if not v.ready:
+            # never initialised: no lock or slots to look at yet
+            if v.creating:
+                return False, "it is being created"
+            ok, why = removal_verdict(v)
+            if ok:
+                segment.unlink(name)
+                why = f"never initialised: its creator (pid {v.owner_pid}) died creating it"
+            return ok, why
         with v.locked(timeout=2.0) as held:
             if not held:
                 return False, "its lock is held by a live process"

@@ -60,10 +60,19 @@ def check_layer(p, layer) -> None:
         raise ValueError(f"layer must be an int in [0, {L}), got {layer!r}")
 
 
-def as_storage(p, x) -> np.ndarray:
-    """An MLX (or numpy) array as a numpy view in the arena's storage dtype."""
+def as_storage(p, x, name: str = "keys") -> np.ndarray:
+    """An MLX (or numpy) array as a numpy view in the arena's storage dtype.
+
+    Raises:
+        TypeError: not a floating-point array (integers, booleans and complex
+            numbers are refused, not cast); raw uint16 words are taken only
+            by a bfloat16 pool, as its stored form.
+    """
     lay = p.layout
     if isinstance(x, mx.array):
+        if not mx.issubdtype(x.dtype, mx.floating):
+            raise TypeError(f"{name} must be a floating-point array (the pool stores "
+                            f"{lay.dtype}), got {x.dtype}")
         if lay.dtype == "bfloat16":
             x = x.astype(mx.bfloat16).view(mx.uint16)
         else:
@@ -73,14 +82,18 @@ def as_storage(p, x) -> np.ndarray:
     arr = np.asarray(x)
     if lay.dtype == "bfloat16":
         if arr.dtype != np.uint16:
-            raise TypeError("a bfloat16 pool takes MLX arrays (or raw uint16 words)")
+            raise TypeError(f"{name}: a bfloat16 pool takes MLX arrays (or raw uint16 words), "
+                            f"got {arr.dtype}")
         return arr
+    if arr.dtype.kind != "f":
+        raise TypeError(f"{name} must be a floating-point array (the pool stores "
+                        f"{lay.dtype}), got {arr.dtype}")
     return arr.astype(p.arena.dtype, copy=False)
 
 
 def write(p, block_id: int, layer: int, keys, values, start: int = 0) -> None:
     lay = p.layout
-    k, v = as_storage(p, keys), as_storage(p, values)
+    k, v = as_storage(p, keys, "keys"), as_storage(p, values, "values")
     want = (lay.num_kv_heads, lay.head_dim)
     for name, a in (("keys", k), ("values", v)):
         if a.ndim != 3 or (a.shape[0], a.shape[2]) != want:

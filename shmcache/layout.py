@@ -41,17 +41,33 @@ Inside the header page:
                                                 x86-64 glibc), see ``mutex``
     LIVENESS_OFF      MAX_SLOTS_LIMIT (1024)    liveness bytes, never written
       (2048)
+    INIT_LOCK_OFF     1                         creation byte, never written
+      (3072)
 
 Byte ranges [LIVENESS_OFF + slot] of the file carry each attached manager's
 OFD lock: the kernel drops it when the holder's open file description goes,
-so "can I lock that byte?" answers "is the holder gone?".
+so "can I lock that byte?" answers "is the holder gone?". The creator holds
+an OFD lock on byte INIT_LOCK_OFF from before the file has a name (it is
+made with O_TMPFILE) until the header is ready, so an attacher that finds a
+header not ready waits while that byte is held and knows the creator died
+when it is not.
+
+The header record ends with ``checksum``: blake2b-128 of the record with
+``ready`` and ``checksum`` zeroed, written before ``ready``. ``attach``
+refuses a header whose checksum, sizes or offsets do not agree with each
+other, with this layout version and with the file's size
+(:func:`layout_from_header`), so a flipped header byte is an error at attach
+and never a misread layout.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from hashlib import blake2b
 
 import numpy as np
+
+from .errors import CorruptPoolError
 
 MAGIC = b"SHMCACH1"
 LAYOUT_VERSION = 5
@@ -61,6 +77,10 @@ MUTEX_OFF = 1024             # inside the header, past HEADER_DTYPE
 MUTEX_BYTES = 64
 LIVENESS_OFF = 2048          # inside the header, past HEADER_DTYPE
 MAX_SLOTS_LIMIT = 1024        # liveness bytes must fit in the header
+INIT_LOCK_OFF = LIVENESS_OFF + MAX_SLOTS_LIMIT   # held by the creator until ready
+MAX_BLOCKS_LIMIT = 2**31 - 3  # block ids, HEAD and TAIL are int32
+MAX_TABLES_LIMIT = 2**24
+MAX_REFS_LIMIT = 2**31 - 1    # record ids are int32, -1 is "none"
 RID_BYTES = 64
 DTYPES = {"float16": 1, "bfloat16": 2, "float32": 3}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -87,6 +107,7 @@ HEADER_DTYPE = np.dtype([
     ("created_at", "<f8"),
     ("seed", "V16"),
     ("total_size", "<i8"),
+    ("checksum", "V16"),      # blake2b-128 of this record, ready and checksum zeroed
 ])
 
 # Counter slots (int64). Derived ones are rebuilt by recovery.
@@ -150,6 +171,7 @@ TABLE_DTYPE = np.dtype([
 for _dt, _size in ((SLOT_DTYPE, 64), (BLOCK_DTYPE, 36), (REF_DTYPE, 8), (TABLE_DTYPE, 96)):
     assert _dt.itemsize == _size, (_dt, _dt.itemsize)
 assert HEADER_DTYPE.itemsize <= MUTEX_OFF and MUTEX_OFF + MUTEX_BYTES <= LIVENESS_OFF
+assert INIT_LOCK_OFF < HEADER_SIZE
 
 
 def _align(n: int, a: int = 64) -> int:
@@ -222,10 +244,58 @@ def compute_layout(block_size: int, max_blocks: int, enable_caching: bool,
                   tindex_off, arena_off, arena_size, total)
 
 
-def layout_from_header(hdr) -> Layout:
-    return compute_layout(
-        int(hdr["block_size"]), int(hdr["max_blocks"]),
-        bool(hdr["enable_caching"]), int(hdr["num_layers"]),
-        int(hdr["num_kv_heads"]), int(hdr["head_dim"]),
-        DTYPE_NAMES[int(hdr["dtype_code"])], int(hdr["max_slots"]),
-        int(hdr["max_tables"]), int(hdr["max_refs"]))
+# The ranges a pool's parameters must lie in: Pool.create refuses values
+# outside them, and layout_from_header refuses a header that has any.
+PARAM_RANGES = {
+    "block_size": (1, 65535),             # token_count is uint16
+    "max_blocks": (2, MAX_BLOCKS_LIMIT),  # block 0 is the null block
+    "num_layers": (0, 1 << 16),
+    "num_kv_heads": (1, 1 << 16),
+    "head_dim": (1, 1 << 16),
+    "max_slots": (1, MAX_SLOTS_LIMIT),
+    "max_tables": (1, MAX_TABLES_LIMIT),
+    "max_refs": (1, MAX_REFS_LIMIT),
+}
+
+
+def header_checksum(hdr) -> bytes:
+    """The checksum a header record (HEADER_DTYPE) must carry."""
+    rec = np.array(hdr, dtype=HEADER_DTYPE).reshape(-1)[:1].copy()
+    rec["ready"] = 0
+    rec["checksum"] = np.zeros(1, "V16")
+    return blake2b(rec.tobytes(), digest_size=16).digest()
+
+
+def layout_from_header(hdr, file_size: int | None = None, where: str = "pool") -> Layout:
+    """The layout a header describes, after checking that it is one this
+    version writes: every parameter in range, the derived capacities and
+    sizes equal to the ones recorded, the file ``file_size`` bytes long (when
+    given) and the checksum right.
+
+    Raises:
+        CorruptPoolError: naming ``where`` and the first field that is wrong.
+    """
+    def bad(msg: str):
+        raise CorruptPoolError(f"{where} has a corrupt header: {msg}")
+
+    code = int(hdr["dtype_code"])
+    if code not in DTYPE_NAMES:
+        bad(f"unknown dtype code {code}")
+    v = {k: int(hdr[k]) for k in PARAM_RANGES}
+    for k, (lo, hi) in PARAM_RANGES.items():
+        if not lo <= v[k] <= hi:
+            bad(f"{k} {v[k]} is outside [{lo}, {hi}]")
+    caching = int(hdr["enable_caching"])
+    if caching not in (0, 1):
+        bad(f"enable_caching {caching} is not 0 or 1")
+    lay = compute_layout(v["block_size"], v["max_blocks"], bool(caching), v["num_layers"],
+                         v["num_kv_heads"], v["head_dim"], DTYPE_NAMES[code], v["max_slots"],
+                         v["max_tables"], v["max_refs"])
+    for k in ("hash_capacity", "table_capacity", "total_size"):
+        if int(hdr[k]) != getattr(lay, k):
+            bad(f"{k} {int(hdr[k])} does not follow from its parameters ({getattr(lay, k)})")
+    if file_size is not None and file_size != lay.total_size:
+        bad(f"the file is {file_size} bytes, its header says {lay.total_size}")
+    if bytes(hdr["checksum"]) != header_checksum(hdr):
+        bad("checksum mismatch (a header byte changed after creation)")
+    return lay

@@ -94,6 +94,7 @@ class PagedCacheManager(TableOps, PrefixOps):
         self.max_blocks = lay.max_blocks
         self.enable_caching = lay.enable_caching
         self._refs = RefStore(p)
+        self._tcache: Dict[int, tuple] = {}     # tables created here (see _holds)
         self._reclaimed_in_repair = 0
         self._epoch = p.c[L.C_EPOCH]
         self._fq = SharedFreeQueue(p)
@@ -159,6 +160,11 @@ class PagedCacheManager(TableOps, PrefixOps):
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
             raise ValueError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
         p = self._p
+        if num_blocks >= self.max_blocks:
+            # more than the pool has at all: refused before anything is sized by it
+            raise OutOfBlocksError(f"Cannot allocate {num_blocks} blocks, only "
+                                   f"{self._p.c[L.C_NUM_FREE]} available (the pool has "
+                                   f"{self.max_blocks - 1})")
         if num_blocks and p.native.alloc is not None and not p.lock.unusable:
             ids = self._native(p.native.alloc, num_blocks)
             if ids is not None:
@@ -357,11 +363,33 @@ class PagedCacheManager(TableOps, PrefixOps):
 
     # ======================================================= shmcache additions
     def write_kv(self, block_id: int, layer: int, keys, values, start: int = 0) -> None:
-        """Write K/V of shape (num_kv_heads, T, head_dim) into a block at ``start``."""
+        """Write K/V of shape (num_kv_heads, T, head_dim) into a block at ``start``.
+
+        Keys and values must be floating-point arrays (MLX or numpy; another
+        float width is converted to the pool's dtype).
+
+        Raises:
+            ValueError: the null block, a block this manager holds no
+                reference to (neither loose nor in a table it owns), or a bad
+                layer, shape or start. TypeError: a dtype that is not floating.
+        """
         b = self._bid(block_id)
-        kv.check_layer(self._p, layer)
-        self._p.check_usable()
-        kv.write(self._p, b, layer, keys, values, start)
+        p = self._p
+        kv.check_layer(p, layer)
+        if b == 0:
+            raise ValueError("cannot write K/V into the null block (block 0)")
+        p.check_usable()
+        # (the check needs no lock when what it knows is current: the write
+        # itself is outside the lock either way, as is any use of a block
+        # this manager holds)
+        if not self._holds_fast(b):
+            with p.lock:
+                self._sync()
+                if not self._holds(b):
+                    raise ValueError(
+                        f"block {b} is not held by this manager: allocate or acquire it, or "
+                        "add it to one of its block tables, before writing its K/V")
+        kv.write(p, b, layer, keys, values, start)
 
     def append_kv(self, table: BlockTable, layer: int, keys, values, start: int) -> None:
         """Write a span of K/V, (num_kv_heads, T, head_dim), into ``table`` at

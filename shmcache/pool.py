@@ -17,7 +17,7 @@ import psutil
 from . import layout as L
 from . import segment
 from .index import OpenIndex
-from .errors import CapacityError, IncompatiblePoolError, PoolClosedError
+from .errors import CapacityError, CorruptPoolError, PoolClosedError
 from .lock import PoolLock, ofd_held_by_other, ofd_lock, ofd_unlock
 from .mutex import open_hot
 
@@ -78,96 +78,105 @@ class Pool:
         self.private = private
         self.closed = False
         self._forked = False
+        self._repairing = False
         self.slot = -1
         self.live_fd = _liveness_fd(fd)
         self._map_views()
         # the pool mutex and the fused operations (C, or ctypes + fastpath)
-        self.native = open_hot(mm, lay, self.created_at)
+        self.native = self._open_native()
         self.lock = PoolLock(self.native, self.c, self._on_dirty)
         self.lock.check_usable = self.check_usable
         self.lock.unusable = False
         self.on_dirty = None        # set by the manager: repair + reclaim
         _live_pools.add(self)
 
+    def _open_native(self):
+        native = open_hot(self.mm, self.layout, self.created_at)
+        if hasattr(native, "set_max_refs"):
+            # the fused ops check every record id they read against it
+            native.set_max_refs(self.layout.max_refs)
+        return native
+
     # ------------------------------------------------------------------ setup
     @classmethod
     def create(cls, name: str, *, block_size=64, max_blocks=1000, enable_caching=True,
                num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16",
                max_slots=64, max_tables=None, max_refs=None, private=False) -> "Pool":
+        # (the ranges are layout.PARAM_RANGES: what attach accepts in a header)
         block_size = _positive_int("block_size", block_size)
-        if block_size > 65535:
-            raise ValueError(f"block_size must be <= 65535, got {block_size}")
-        max_blocks = _positive_int("max_blocks", max_blocks, 2)
-        if max_blocks > 2**31 - 3:
-            raise ValueError(f"max_blocks must be < 2**31 - 2, got {max_blocks}")
+        max_blocks = _positive_int("max_blocks", max_blocks)
         num_layers = _positive_int("num_layers", num_layers, 0)
         num_kv_heads = _positive_int("num_kv_heads", num_kv_heads)
         head_dim = _positive_int("head_dim", head_dim)
         if dtype not in L.DTYPES:
             raise ValueError(f"dtype must be one of {sorted(L.DTYPES)}, got {dtype!r}")
         max_slots = _positive_int("max_slots", max_slots)
-        if max_slots > L.MAX_SLOTS_LIMIT:
-            raise ValueError(f"max_slots must be <= {L.MAX_SLOTS_LIMIT}, got {max_slots}")
         if max_tables is None:
             max_tables = min(max(64, max_blocks), 4096)
         max_tables = _positive_int("max_tables", max_tables)
         if max_refs is None:
             max_refs = 2 * max_blocks + 256
         max_refs = _positive_int("max_refs", max_refs)
+        given = dict(block_size=block_size, max_blocks=max_blocks, num_layers=num_layers,
+                     num_kv_heads=num_kv_heads, head_dim=head_dim, max_slots=max_slots,
+                     max_tables=max_tables, max_refs=max_refs)
+        for k, (lo, hi) in L.PARAM_RANGES.items():
+            if not lo <= given[k] <= hi:
+                raise ValueError(f"{k} must be in [{lo}, {hi}], got {given[k]}")
         lay = L.compute_layout(block_size, max_blocks, enable_caching, num_layers,
                                num_kv_heads, head_dim, dtype, max_slots, max_tables, max_refs)
-        fd = segment.create_file(name, lay.total_size)
+        # Named from the start with magic, version and creator, so that an
+        # attacher or `shmcache list/cleanup` recognises a pool being created
+        # (or whose creator died creating it).
+        pre = np.zeros(1, L.HEADER_DTYPE)
+        pre["magic"], pre["version"] = L.MAGIC, L.LAYOUT_VERSION
+        pre["creator_pid"] = os.getpid()
+        pre["creator_start"] = process_start_time(os.getpid())
+        fd = segment.create_file(name, lay.total_size, pre.tobytes(), private=private)
         try:
             mm = segment.map_fd(fd, lay.total_size)
-            if private:
-                # Nobody attaches to a private pool: unlink now, so that not
-                # even a SIGKILL of this process leaves it in /dev/shm.
-                segment.unlink(name)
             pool = cls(name, fd, mm, lay, creator=True, private=private)
             pool._initialise()
         except BaseException:
             if not private:
                 segment.unlink(name)
+            segment.creation_done(fd)   # the mapping keeps the description open
             os.close(fd)
             raise
+        segment.creation_done(fd)
         pool._take_slot()
         return pool
 
     @classmethod
     def attach(cls, name: str, timeout: float = 5.0) -> "Pool":
+        """Map the existing pool ``name`` and take a slot in it.
+
+        Waits up to ``timeout`` seconds for a pool still being created.
+
+        Raises:
+            PoolNotFoundError: no such segment.
+            UnsafePoolError: another user owns it, or others can write it.
+            IncompatiblePoolError: not a pool, another layout version, or
+                never initialised (its creator died); CorruptPoolError (a
+                subclass): a header that does not describe this file.
+        """
         fd = segment.open_file(name)
         try:
-            deadline = time.monotonic() + timeout
-            while True:
-                size = os.fstat(fd).st_size
-                if size >= L.HEADER_SIZE:
-                    hdr = np.frombuffer(os.pread(fd, L.HEADER_DTYPE.itemsize, 0), L.HEADER_DTYPE)[0]
-                    if bytes(hdr["magic"]) != L.MAGIC:
-                        raise IncompatiblePoolError(
-                            f"{segment.path_for(name)} is not a shmcache pool (bad magic)")
-                    if int(hdr["version"]) != L.LAYOUT_VERSION:
-                        raise IncompatiblePoolError(
-                            f"pool {name!r} has layout version {int(hdr['version'])}; "
-                            f"this shmcache reads version {L.LAYOUT_VERSION}")
-                    if int(hdr["ready"]) == 1:
-                        break
-                if time.monotonic() > deadline:
-                    raise IncompatiblePoolError(
-                        f"pool {name!r} was never initialised (size {size}, no ready header)")
-                time.sleep(0.01)
-            lay = L.layout_from_header(hdr)
-            if size < lay.total_size:
-                raise IncompatiblePoolError(
-                    f"pool {name!r} is {size} bytes, its header says {lay.total_size}")
+            hdr, size = segment.read_ready_header(fd, name, timeout)
+            lay = L.layout_from_header(hdr, size, f"pool {name!r}")
             mm = segment.map_fd(fd, lay.total_size)
         except BaseException:
             os.close(fd)
             raise
         pool = cls(name, fd, mm, lay, creator=False, private=False)
-        pool._take_slot()
+        try:
+            pool._take_slot()
+        except BaseException:
+            pool.unmap()
+            raise
         return pool
 
-    def _map_views(self) -> None:
+    def _map_views(self, arena: bool = True) -> None:
         lay, mm = self.layout, self.mm
         self.raw = memoryview(mm)
         self.header = np.frombuffer(mm, L.HEADER_DTYPE, 1, 0)
@@ -195,6 +204,7 @@ class Pool:
         self.t_tail = memoryview(t["tail"])
         self.t_len = memoryview(t["length"])
         self.t_tok = memoryview(t["num_tokens"])
+        self.t_rhash = memoryview(t["rid_hash"])
         self.s_head = memoryview(self.slots["loose_head"])
         self.s_count = memoryview(self.slots["loose_count"])
         raw = self.raw
@@ -202,10 +212,12 @@ class Pool:
         isz = L.BLOCK_DTYPE.itemsize
         self.hhome = lambda e: int.from_bytes(raw[boff + e * isz: boff + e * isz + 8], "little")
         self.hindex = OpenIndex(memoryview(self.hidx), self.hhome,
-                                lambda e, key: raw[boff + e * isz: boff + e * isz + 16] == key)
+                                lambda e, key: raw[boff + e * isz: boff + e * isz + 16] == key,
+                                lay.max_blocks, self.corrupt, "prefix index")
         rids, rhash = self.tables["request_id"], self.tables["rid_hash"]
         self.tindex = OpenIndex(memoryview(self.tidx), lambda e: int(rhash[e]),
-                                lambda e, key: rids[e] == key)
+                                lambda e, key: rids[e] == key,
+                                lay.max_tables, self.corrupt, "table index")
         self.HEAD = lay.max_blocks
         self.TAIL = lay.max_blocks + 1
         # the views the fused hot paths (fastpath) bind in one load
@@ -215,7 +227,7 @@ class Pool:
         h = self.header[0]
         self.created_at = float(h["created_at"])
         self.seed = bytes(h["seed"])
-        if lay.num_layers:
+        if lay.num_layers and arena:
             np_dtype = {"float16": np.float16, "float32": np.float32, "bfloat16": np.uint16}[lay.dtype]
             self.arena = np.frombuffer(mm, np_dtype, int(np.prod(lay.arena_shape)),
                                        lay.arena_off).reshape(lay.arena_shape)
@@ -241,7 +253,7 @@ class Pool:
         self.seed = bytes(h[0]["seed"])
         self.native.init_mutex()
         self.native.release()       # again, now that created_at is known
-        self.native = self.lock.native = open_hot(self.mm, lay, self.created_at)
+        self.native = self.lock.native = self._open_native()
         n = lay.max_blocks
         b = self.blocks
         ids = np.arange(n + 2, dtype=np.int32)
@@ -267,6 +279,7 @@ class Pool:
         self.c[L.C_FREE_REFS] = lay.max_refs
         self.hidx[:] = -1
         self.tidx[:] = -1
+        h["checksum"] = np.frombuffer(L.header_checksum(h), "V16")[0]
         h["ready"] = 1
 
     # ------------------------------------------------------------------ slots
@@ -319,7 +332,11 @@ class Pool:
         if self.on_dirty is None:
             return False        # not repaired: the lock keeps the pool dirty
         self._await_dead_holder()
-        self.on_dirty()
+        self._repairing = True      # (corruption met while repairing repairs nothing)
+        try:
+            self.on_dirty()
+        finally:
+            self._repairing = False
 
     def _await_dead_holder(self, timeout: float = 2.0) -> None:
         # NOTE: the kernel hands a robust mutex on when its dying holder's
@@ -332,6 +349,31 @@ class Pool:
         while (self.slots["state"][s] == 1 and self.slot_alive(s)
                and time.monotonic() < deadline):
             time.sleep(0.001)
+
+    def corrupt(self, what: str) -> CorruptPoolError:
+        """The error for a contradiction found in the shared state (``what``).
+
+        Found under the lock by a manager, the derived state is rebuilt from
+        the records at once (``recovery.repair``, as after a holder's death),
+        so the next call finds a consistent pool; otherwise the pool is left
+        marked dirty for its next lock holder. The caller raises the error:
+        the operation that met the corruption fails, clearly, and changes
+        nothing more.
+        """
+        note = "its next lock holder rebuilds it"
+        lock = self.lock
+        if lock.held and lock._tlock._is_owned() and not self._repairing:
+            try:
+                if self._on_dirty() is not False:
+                    note = "its derived state was rebuilt from the records; retry the call"
+                else:
+                    lock._keep_dirty = 1        # left dirty when the lock is released
+            except Exception as e:          # the repair itself failed: leave it dirty
+                lock._keep_dirty = 1
+                note = f"rebuilding it failed too ({type(e).__name__}: {e})"
+        elif lock.held and lock._tlock._is_owned():
+            lock._keep_dirty = 1                # found by the repair itself
+        return CorruptPoolError(f"pool {self.name!r} is corrupt: {what}; {note}")
 
     def check_usable(self) -> None:
         if self.closed or (self.slot < 0 and self.lock.unusable and not self._forked):

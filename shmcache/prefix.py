@@ -66,11 +66,15 @@ class PrefixOps(PoolOps):
             boff, isz = p.layout.blocks_off + L.BLOCK_HASH_OFF, L.BLOCK_DTYPE.itemsize
             for b, h in zip(ids[num_cached_blocks:], hashes):
                 if not flags[b] & L.FLAG_CACHED:    # self._cache(b, h), inlined
+                    i = int.from_bytes(h[:8], "little") & mask
+                    for _ in range(mask + 1):
+                        if slots[i] < 0:
+                            break
+                        i = (i + 1) & mask
+                    else:
+                        raise p.hindex._full()
                     raw[boff + b * isz: boff + b * isz + 16] = h
                     flags[b] |= L.FLAG_CACHED
-                    i = int.from_bytes(h[:8], "little") & mask
-                    while slots[i] >= 0:
-                        i = (i + 1) & mask
                     slots[i] = b
                     tok[b] = bs
 
@@ -81,13 +85,20 @@ class PrefixOps(PoolOps):
         raw, isz = p.raw, L.BLOCK_DTYPE.itemsize
         boff = p.layout.blocks_off + L.BLOCK_HASH_OFF
         found = []
+        n = self.max_blocks
         for h in hashes:
             i = int.from_bytes(h[:8], "little") & mask
-            while True:                      # OpenIndex.find, inlined
+            for _ in range(mask + 1):        # OpenIndex.find, inlined
                 e = slots[i]
-                if e < 0 or raw[boff + e * isz: boff + e * isz + 16] == h:
+                if e < 0:
+                    break
+                if not 0 < e < n:           # (block 0 is never cached)
+                    raise p.hindex._bad_entry(e, i)
+                if raw[boff + e * isz: boff + e * isz + 16] == h:
                     break
                 i = (i + 1) & mask
+            else:
+                raise p.hindex._full()
             if e < 0:
                 p.c[L.C_MISSES] += 1
                 break

@@ -13,12 +13,18 @@ from __future__ import annotations
 import numpy as np
 
 from . import layout as L
+from .errors import CorruptPoolError
+from .index import OpenIndex
 
 
-def _walk(p, head: int, limit: int):
+def _walk(p, head: int, limit: int, blocks: bool = False):
+    """(records of the list at ``head`` up to the first bad link, whether all
+    were good): a link outside [0, limit), a cycle, or (with ``blocks``) a
+    record naming no block in [1, max_blocks) ends the walk."""
     out, r, seen = [], head, set()
+    n = p.layout.max_blocks
     while r >= 0:
-        if r >= limit or r in seen:
+        if r >= limit or r in seen or (blocks and not 0 < p.r_block[r] < n):
             return out, False
         seen.add(r)
         out.append(r)
@@ -27,18 +33,19 @@ def _walk(p, head: int, limit: int):
 
 
 def reachable_records(p, problems=None):
-    """Records of live slots' loose lists and live tables: (records, per-owner lists)."""
+    """Records of live slots' loose lists and live tables: (records, per-owner
+    lists), each list cut before its first bad link or record (``_walk``)."""
     limit = p.layout.max_refs
     owners = []
     for s in np.flatnonzero(p.slots["state"] == 1).tolist():
-        recs, ok = _walk(p, p.s_head[s], limit)
+        recs, ok = _walk(p, p.s_head[s], limit, True)
         if not ok and problems is not None:
-            problems.append(f"slot {s}: loose list is cyclic or out of range")
+            problems.append(f"slot {s}: loose list is cyclic, out of range or names no block")
         owners.append(("slot", s, recs))
     for t in np.flatnonzero(p.tables["state"] == 1).tolist():
-        recs, ok = _walk(p, p.t_head[t], limit)
+        recs, ok = _walk(p, p.t_head[t], limit, True)
         if not ok and problems is not None:
-            problems.append(f"table {t}: list is cyclic or out of range")
+            problems.append(f"table {t}: list is cyclic, out of range or names no block")
         owners.append(("table", t, recs))
     allrecs = [r for _, _, recs in owners for r in recs]
     return allrecs, owners
@@ -51,6 +58,12 @@ def expected_ref_counts(p, records) -> np.ndarray:
     ref = np.bincount(ids, minlength=n).astype(np.int64)
     ref[0] += 1
     return ref
+
+
+def _plain(index) -> OpenIndex:
+    # The same index, reporting corruption by a plain exception: check()
+    # changes nothing (the pool's own indexes repair before raising).
+    return OpenIndex(index.slots, index.home_of, index.matches, index.limit, name=index.name)
 
 
 def check(mgr) -> list:
@@ -130,9 +143,16 @@ def check(mgr) -> list:
     if set(entries) != cached:
         out.append(f"prefix index has {len(set(entries))} blocks, {len(cached)} are flagged cached "
                    f"(differ: {sorted(set(entries) ^ cached)[:10]})")
+    hindex, tindex = _plain(mgr._hindex), _plain(mgr._tindex)
     for e in entries:
-        if 0 <= e < n and mgr._hindex.find(mgr._block_hash(e), mgr._hhome(e)) < 0:
-            out.append(f"block {e} is in the prefix index but not found from its hash")
+        if 0 <= e < n:
+            try:
+                found = hindex.find(mgr._block_hash(e), mgr._hhome(e))
+            except CorruptPoolError as ex:
+                out.append(f"block {e}: {ex}")
+                break
+            if found < 0:
+                out.append(f"block {e} is in the prefix index but not found from its hash")
     if not lay.enable_caching and cached:
         out.append("caching is disabled but blocks are cached")
     if 0 in cached:
@@ -144,8 +164,15 @@ def check(mgr) -> list:
         out.append(f"table index has {sorted(tent)[:10]}, live tables are {sorted(live)[:10]}")
     for t in live:
         rid = bytes(p.tables["request_id"][t])
-        if mgr._tindex.find(rid, int(p.tables["rid_hash"][t])) != t:
+        try:
+            found = tindex.find(rid, int(p.tables["rid_hash"][t]))
+        except CorruptPoolError as ex:
+            out.append(f"table {t}: {ex}")
+            break
+        if found != t:
             out.append(f"table {t} ({rid!r}) is not found from its request id")
+        if p.t_tok[t] < 0:
+            out.append(f"table {t}: num_tokens {p.t_tok[t]} is negative")
     if p.c[L.C_NUM_TABLES] != len(live):
         out.append(f"table counter {p.c[L.C_NUM_TABLES]} != {len(live)} live tables")
     return out
@@ -159,6 +186,7 @@ def repair(mgr) -> None:
     b = p.blocks
     recs, owners = reachable_records(p)
     # A record in two lists cannot be told apart; keep its first owner.
+    # Lists are cut before a bad link or a record naming no block (_walk).
     seen = set()
     for kind, i, rl in owners:
         keep = []
@@ -167,17 +195,17 @@ def repair(mgr) -> None:
                 break
             seen.add(r)
             keep.append(r)
-        if keep and len(keep) != len(rl):
+        if keep:
             p.r_next[keep[-1]] = -1
         if kind == "slot":
-            if not keep:
-                p.s_head[i] = -1
+            p.s_head[i] = keep[0] if keep else -1
             p.s_count[i] = len(keep)
         else:
-            if not keep:
-                p.t_head[i] = -1
+            p.t_head[i] = keep[0] if keep else -1
             p.t_tail[i] = keep[-1] if keep else -1
             p.t_len[i] = len(keep)
+            if p.t_tok[i] < 0:
+                p.t_tok[i] = 0
     recs = list(seen)
     # records: free every one nobody holds
     held = np.zeros(lay.max_refs, bool)

@@ -53,6 +53,7 @@ class TableOps(PoolOps):
         with self._p.lock:
             self._sync()
             t = self._table_index(request_id)
+            self._tcache.pop(t, None)
             _unlink_table(self._p, self._refs, t)
             for b in reversed(self._refs.pop_table(t)):
                 self._release(b)
@@ -84,7 +85,7 @@ class TableOps(PoolOps):
 
     def _cow_at(self, rec: int) -> bool:
         p = self._p
-        old = p.r_block[rec]
+        old = self._refs.block_of(rec, "a table's list")
         new = self._pop_free()
         p.b_tok[new] = p.b_tok[old]
         kv.copy_block(p, old, new)
@@ -105,8 +106,14 @@ class TableOps(PoolOps):
         if first < end:
             # Usually just the partly filled last block; any block written into
             # must be private to this table.
-            recs = [p.t_tail[t]] if first == length - 1 else self._refs.table_records(t)[first:end]
-            cow = [r for r in recs if p.b_ref[p.r_block[r]] > 1]
+            if first == length - 1:
+                if p.t_tail[t] < 0:
+                    raise p.corrupt(f"table {t} has length {length} but no tail")
+                recs = [p.t_tail[t]]
+            else:
+                recs = self._refs.table_records(t)[first:end]
+            blocks = self._refs.blocks_of(recs, "table {}'s list", t)
+            cow = [r for r, b in zip(recs, blocks) if p.b_ref[b] > 1]
         return cow, max(0, needed - length)
 
     def can_append(self, table: BlockTable, num_new_tokens: int) -> bool:
@@ -149,10 +156,12 @@ class TableOps(PoolOps):
                 self._refs.table_append(t, self._pop_free())
             bs, tok = self.block_size, p.t_tok[t]
             recs = self._refs.table_records(t)
+            if len(recs) != p.t_len[t]:
+                raise p.corrupt(f"table {t} has length {p.t_len[t]} but {len(recs)} records")
             first, last = tok // bs, (tok + num_new_tokens - 1) // bs
             out = []
             for i in range(first, last + 1):
-                b = p.r_block[recs[i]]
+                b = self._refs.block_of(recs[i], "table {}'s list", t)
                 p.b_tok[b] = min(bs, tok + num_new_tokens - i * bs)
                 out.append(SharedBlock(self, b))
             p.t_tok[t] = tok + num_new_tokens

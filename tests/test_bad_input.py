@@ -275,7 +275,9 @@ def test_bad_manager_sizes(kw):
 @pytest.mark.parametrize("kw", [dict(num_kv_heads=0), dict(head_dim=0), dict(head_dim=-1),
                                 dict(num_layers=-1), dict(max_slots=0), dict(max_tables=0),
                                 dict(max_refs=0), dict(dtype="int8"), dict(block_size=0),
-                                dict(max_blocks=1)])
+                                dict(max_blocks=1), dict(max_slots=L.MAX_SLOTS_LIMIT + 1),
+                                dict(max_tables=L.MAX_TABLES_LIMIT + 1),
+                                dict(block_size=65536), dict(max_blocks=2**31)])
 def test_bad_pool_sizes(pool_name, kw):
     with pytest.raises((TypeError, ValueError)):
         shmcache.create_pool(pool_name, **kw)
@@ -342,3 +344,69 @@ def test_creator_survives_failed_attach_of_other_name(make_pool, pool_name):
     finally:
         os.unlink(path)
     assert m.check() == [] and m.free_blocks == 31
+
+
+# ====================================================================== corrupt headers
+def _pool_bytes(make_pool) -> bytes:
+    m = make_pool(block_size=4, max_blocks=8)
+    m.get_new_blocks(2)
+    with open(f"/dev/shm/shmcache.{m.name}", "rb") as f:
+        return f.read()
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("max_slots", 1, "total_size"),                 # once: the null block three times
+    ("max_blocks", 0, "max_blocks 0"),              # once: block ids of -1
+    ("dtype_code", 9, "unknown dtype code 9"),      # once: a KeyError traceback
+    ("max_refs", 10**6, "total_size"),
+    ("hash_capacity", 4, "hash_capacity 4"),
+    ("enable_caching", 7, "enable_caching 7"),
+    ("created_at", 1.0, "checksum"),                # sizes agree, the checksum does not
+    ("total_size", 1 << 40, "total_size"),
+])
+def test_attach_refuses_a_corrupt_header(make_pool, pool_name, field, value, words):
+    """Every size and offset in the header is checked against the others, the
+    layout version and the file's size (and a checksum covers the rest)."""
+    from shmcache.errors import CorruptPoolError
+    data = bytearray(_pool_bytes(make_pool))
+    h = np.frombuffer(data, L.HEADER_DTYPE, 1)
+    h[field] = value
+    path = _fake_segment(pool_name, bytes(data))
+    try:
+        with pytest.raises(CorruptPoolError) as ei:
+            shmcache.attach(pool_name, timeout=0.05)
+        assert words in str(ei.value) and pool_name in str(ei.value)
+        assert isinstance(ei.value, IncompatiblePoolError)
+        with open(path, "rb") as f:
+            assert f.read() == bytes(data)          # left alone
+    finally:
+        os.unlink(path)
+
+
+def test_attach_refuses_a_file_of_another_size(make_pool, pool_name):
+    from shmcache.errors import CorruptPoolError
+    data = _pool_bytes(make_pool)
+    for extra in (b"\0" * 4096, None):
+        body = data + extra if extra else data[:-4096]
+        path = _fake_segment(pool_name, body)
+        try:
+            with pytest.raises(CorruptPoolError, match="the file is"):
+                shmcache.attach(pool_name, timeout=0.05)
+        finally:
+            os.unlink(path)
+
+
+# ====================================================================== huge counts
+@pytest.mark.parametrize("n", [2**40, 2**63, 10**30, 32, 31])
+def test_get_new_blocks_more_than_the_pool_has(manager, n):
+    """The C path sized a buffer by the count before checking it (MemoryError,
+    OverflowError): any count the pool cannot have is the seed's ValueError."""
+    manager.get_new_blocks(2)
+    before = snapshot(manager)
+    with pytest.raises(shmcache.OutOfBlocksError) as ei:
+        manager.get_new_blocks(n)
+    assert isinstance(ei.value, ValueError) and str(n) in str(ei.value)
+    with pytest.raises(ValueError):
+        manager.allocate_blocks_for_tokens(n * manager.block_size)
+    unchanged(manager, before)
+    assert len(manager.get_new_blocks(29)) == 29    # all that is left still works

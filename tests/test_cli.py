@@ -218,6 +218,45 @@ def test_list_reports_unusable_segments(junk_name):
     assert "not a shmcache pool" in row
 
 
+@pytest.mark.parametrize("cmd", ERROR_CMDS, ids=lambda c: " ".join(c))
+def test_segment_others_can_write_is_refused(cmd, make_pool):
+    m = make_pool()
+    path = segment.path_for(m.name)
+    os.chmod(path, 0o666)
+    with open(path, "rb") as f:
+        before = f.read()
+    r = run(cmd[0], m.name, *cmd[1:])
+    assert_error(r, "writable by group and others", "0666")
+    assert os.path.exists(path)                     # cleanup never removes it either
+    with open(path, "rb") as f:
+        assert f.read() == before
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a file of another uid needs root")
+def test_segment_of_another_user_is_refused(make_pool):
+    m = make_pool()
+    os.chown(segment.path_for(m.name), 54321, -1)
+    assert_error(run("inspect", m.name), "belongs to uid 54321")
+    assert_error(run("fsck", m.name, "--repair"), "belongs to uid 54321")
+    r = run("list")
+    row = next(line for line in r.stdout.splitlines() if line.startswith(m.name))
+    assert "not usable" in row and "54321" in row
+
+
+@pytest.mark.parametrize("cmd", ERROR_CMDS, ids=lambda c: " ".join(c))
+def test_corrupt_header_is_one_line(cmd, make_pool, junk_name):
+    """An unknown dtype code was a KeyError traceback in attach, fsck and
+    inspect: every header field is checked, and the error is one line."""
+    m = make_pool()
+    with open(segment.path_for(m.name), "rb") as f:
+        data = bytearray(f.read())
+    np.frombuffer(data, L.HEADER_DTYPE, 1)["dtype_code"] = 9
+    write_segment(junk_name, bytes(data))
+    r = run(cmd[0], junk_name, *cmd[1:])
+    assert_error(r, "corrupt header", "unknown dtype code 9")
+    assert os.path.exists(segment.path_for(junk_name))
+
+
 # --------------------------------------------------------------------- top
 def test_top_refreshes_until_ctrl_c(make_pool):
     m = busy_pool(make_pool)
@@ -275,18 +314,47 @@ def test_fsck_finds_and_repairs_corruption(make_pool):
     assert run("fsck", m.name).returncode == 0
 
 
-def test_fsck_dirty_pool_is_repaired_on_attach(make_pool):
-    """A pool left dirty (lock holder died mid-update) stays dirty while a
-    manager attaches, so the first lock holder that can repair does."""
+def test_fsck_is_read_only_even_on_a_dirty_pool(make_pool):
+    """fsck without --repair takes no slot, no lock and no part in recovery:
+    not one byte of a dirty, corrupted pool changes (it used to attach, and
+    the first lock repaired the pool); --repair then rebuilds it."""
     m = busy_pool(make_pool)
     free_block = next(b for b in range(1, 32) if m._p.b_ref[b] == 0)
     m._p.b_ref[free_block] = 5
     m._p.c[L.C_DIRTY] = 1
+    path = segment.path_for(m.name)
+    with open(path, "rb") as f:
+        before = f.read()
     r = run("fsck", m.name)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "marked dirty" in r.stdout
+    assert f"block {free_block}: ref_count 5" in r.stdout
+    with open(path, "rb") as f:
+        assert f.read() == before               # header, lock word, counters, slots, records
+    assert m._p.c[L.C_RECOVERIES] == 0
+    r = run("fsck", m.name, "--repair")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "was marked dirty" in r.stdout and "consistent" in r.stdout.splitlines()[-1]
+    assert "was marked dirty" in r.stdout and "consistent after repair" in r.stdout
     assert m._p.c[L.C_DIRTY] == 0 and m._p.c[L.C_RECOVERIES] == 1
     assert m.check() == []
+
+
+def test_fsck_never_waits_for_the_lock(make_pool):
+    """A lock word naming a thread that is gone (no kernel hand-over) made
+    fsck wait forever: the read-only check takes no lock at all."""
+    m = busy_pool(make_pool)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    word = memoryview(m._p.mm)[L.MUTEX_OFF:L.MUTEX_OFF + 4].cast("i")
+    word[0] = int(gone)
+    try:
+        t0 = time.monotonic()
+        r = run("fsck", m.name, timeout=30)
+        assert time.monotonic() - t0 < 20
+        assert r.returncode == 0 and "consistent" in r.stdout, r.stdout + r.stderr
+    finally:
+        word[0] = 0
+        word.release()
 
 
 def test_fsck_repair_releases_dead_holders(make_pool, holders):

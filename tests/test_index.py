@@ -204,3 +204,54 @@ def test_pool_indexes_are_at_most_half_full():
         lay = compute_layout(4, n, True, 1, 1, 8, "float16", 4, n, 2 * n)
         assert lay.hash_capacity >= 2 * n and lay.table_capacity >= 2 * n
         assert lay.hash_capacity & (lay.hash_capacity - 1) == 0
+
+
+# ---------------------------------------------------------------- corruption
+def test_a_full_table_is_corruption_not_a_loop():
+    """A sound index always has an empty slot; with none (corruption: the
+    index of a pool whose header said max_slots=1 looped forever in check())
+    every probe stops after one round."""
+    from shmcache.errors import CorruptPoolError
+    s = Store(8)
+    for e in range(8):
+        s.add(e, f"k{e}", e)
+    with pytest.raises(CorruptPoolError, match="no empty slot"):
+        s.idx.find("absent", 3)
+    with pytest.raises(CorruptPoolError):
+        s.idx.find_all("absent", 3)
+    with pytest.raises(CorruptPoolError):
+        s.idx.insert(9, 0)
+    s.homes[9] = 0
+    with pytest.raises(CorruptPoolError):
+        s.idx.remove(9, 0)
+    assert s.idx.find("k5", 5) == 5                  # what is there is still found
+
+
+def test_an_entry_out_of_range_is_corruption():
+    from shmcache.errors import CorruptPoolError
+    arr = np.full(8, -1, dtype=np.int32)
+    seen = []
+    idx = OpenIndex(memoryview(arr), lambda e: e, lambda e, key: key == e, limit=4,
+                    corrupt=lambda what: seen.append(what) or CorruptPoolError(what))
+    arr[2] = 1000
+    with pytest.raises(CorruptPoolError, match="holds 1000"):
+        idx.find(7, 2)
+    assert seen and "slot 2" in seen[0]            # the pool's hook heard of it first
+
+
+def test_check_of_a_pool_with_a_full_prefix_index_returns(manager):
+    """check() reports, never loops: every slot of the prefix index filled."""
+    import signal
+
+    def hung(*a):
+        raise AssertionError("check() did not return")
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(20)
+    try:
+        manager.get_new_blocks(3)
+        manager._p.hidx[:] = 1
+        problems = manager.check()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert any("no empty slot" in s or "prefix index" in s for s in problems), problems

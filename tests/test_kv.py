@@ -334,3 +334,91 @@ def test_l3_read_from_sys(tmp_path):
     (tmp_path / "index3" / "level").write_text("2\n")
     assert kvmod._l3_bytes(str(tmp_path)) is None
     assert kvmod._l3_bytes(str(tmp_path / "missing")) is None
+
+
+# ---------------------------------------------------------------- whose block
+def test_write_refuses_the_null_block(make_pool):
+    m = kv_pool(make_pool)
+    before = m._p.arena[:, 0].tobytes()
+    with pytest.raises(ValueError, match="null block"):
+        m.write_kv(0, 0, rand(1), rand(2))
+    assert m._p.arena[:, 0].tobytes() == before
+
+
+def test_write_refuses_blocks_not_held(make_pool):
+    """A free block (another process may allocate it at any moment) or
+    another manager's block (a prefix others read) is not the caller's to
+    write; its bytes stay as they were."""
+    m = kv_pool(make_pool)
+    other = shmcache.attach(m.name)
+    try:
+        theirs = other.allocate_block().block_id
+        other.write_kv(theirs, 0, rand(1), rand(2))
+        mine = m.allocate_block().block_id
+        m.free_block(mine)                           # free again
+        for b in (theirs, mine, 9):
+            before = m._p.arena[:, b].tobytes()
+            with pytest.raises(ValueError, match=f"block {b} is not held by this manager"):
+                m.write_kv(b, 0, rand(3), rand(4))
+            assert m._p.arena[:, b].tobytes() == before
+        assert m.check() == []
+    finally:
+        other.close()
+
+
+def test_write_takes_blocks_of_its_own_tables(make_pool):
+    """Table references count: a prepared table's blocks, a fork's blocks
+    after copy-on-write, not the table's once deleted or another manager's."""
+    m = kv_pool(make_pool)
+    t = m.create_block_table("a")
+    blocks = m.prepare_append(t, T + 2)
+    for b in blocks:
+        m.write_kv(b.block_id, 0, rand(1), rand(2))
+    f = m.fork_block_table(t, "b")
+    (copy,) = m.prepare_append(f, 1)                 # the shared partial block is copied
+    assert copy.block_id not in [b.block_id for b in blocks]
+    m.write_kv(copy.block_id, 1, rand(3), rand(4))
+    m.write_kv(blocks[0].block_id, 1, rand(5), rand(6))
+    other = shmcache.attach(m.name)
+    try:
+        with pytest.raises(ValueError, match="not held"):
+            other.write_kv(copy.block_id, 0, rand(7), rand(8))
+        ot = other.create_block_table("c")
+        (ob,) = other.prepare_append(ot, 1)
+        other.write_kv(ob.block_id, 0, rand(7), rand(8))
+        with pytest.raises(ValueError, match="not held"):
+            m.write_kv(ob.block_id, 0, rand(7), rand(8))
+    finally:
+        other.close()
+    m.delete_block_table("b")
+    with pytest.raises(ValueError, match=f"block {copy.block_id} is not held"):
+        m.write_kv(copy.block_id, 0, rand(9), rand(9))
+
+
+# ---------------------------------------------------------------- dtypes
+@pytest.mark.parametrize("dtype", ["float16", "float32", "bfloat16"])
+@pytest.mark.parametrize("bad", [mx.int32, mx.int8, mx.uint16, mx.bool_, mx.complex64,
+                                 np.int64, np.int16, np.complex128, np.bool_])
+def test_write_refuses_non_float_arrays(make_pool, dtype, bad):
+    """Integer, boolean and complex arrays were cast silently (complex lost
+    its imaginary part). A float of another width is converted, as before;
+    a bfloat16 pool keeps taking raw uint16 words from numpy."""
+    m = kv_pool(make_pool, dtype)
+    b = m.allocate_block().block_id
+    m.write_kv(b, 0, rand(1, dtype=dtype), rand(2, dtype=dtype))
+    before = m._p.arena[:, b].tobytes()
+    x = (mx.ones((H, T, D), dtype=bad) if isinstance(bad, mx.Dtype)
+         else np.ones((H, T, D), dtype=bad))
+    with pytest.raises(TypeError, match="floating-point|bfloat16 pool takes"):
+        m.write_kv(b, 0, x, x)
+    with pytest.raises(TypeError):
+        m.write_kv(b, 0, rand(3, dtype=dtype), x)     # either one
+    assert m._p.arena[:, b].tobytes() == before
+
+
+def test_write_converts_numpy_floats(make_pool):
+    m = kv_pool(make_pool, "float16")
+    b = m.allocate_block().block_id
+    x = np.random.default_rng(0).standard_normal((H, T, D))     # float64
+    m.write_kv(b, 0, x, x.astype(np.float32))
+    assert np.array_equal(as_np(m.read_kv([b], 0)[0]), x.astype(np.float16).astype(np.float32))

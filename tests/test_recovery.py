@@ -444,3 +444,40 @@ def test_dead_slot_is_reused_by_a_new_attacher(make_pool, spawn):
     assert w.wait(timeout=30) == 0
     mgr.reclaim_dead()
     assert mgr.check() == [] and mgr.free_blocks == 15
+
+
+# ------------------------------------------------------------ corrupt records
+def test_repair_cuts_a_list_at_a_record_naming_no_block(manager):
+    """Recovery walks every list bounded and cuts it before the first record
+    out of range, naming no block, or seen before: the records are the truth
+    only as far as they make sense."""
+    from shmcache import layout as L
+    p = manager._p
+    t = manager.create_block_table("a")
+    manager.prepare_append(t, 12)                   # three blocks
+    loose = manager.get_new_blocks(2)
+    recs = manager._refs.table_records(manager._table_index(t))
+    p.r_block[recs[1]] = 10**6                      # names no block
+    p.r_next[p.s_head[p.slot]] = p.s_head[p.slot]   # the loose list loops on itself
+    p.c[L.C_DIRTY] = 1                              # as a holder dying mid-update leaves it
+    assert manager.check() == []                    # repaired on taking the lock
+    assert len(t.block_ids) == 1 and manager._p.s_count[p.slot] == 1
+    assert manager.free_blocks == 31 - 2
+    manager.free_block(loose[-1].block_id)          # the one left in the loose list
+    manager.delete_block_table("a")
+    assert manager.free_blocks == 31 and manager.check() == []
+
+
+def test_an_operation_meeting_a_corrupt_list_raises_then_the_pool_is_whole(manager):
+    from shmcache.errors import CorruptPoolError
+    p = manager._p
+    t = manager.create_block_table("a")
+    manager.prepare_append(t, 12)
+    recs = manager._refs.table_records(manager._table_index(t))
+    p.r_next[recs[2]] = recs[0]                     # a cycle: walked forever before
+    with pytest.raises(CorruptPoolError, match="table 0's list") as ei:
+        manager.fork_block_table(t, "b")
+    assert "rebuilt" in str(ei.value)
+    assert manager.check() == []                    # rebuilt from the records
+    manager.fork_block_table(t, "b")                # and the call works again
+    assert manager.request_tables["b"].block_ids == t.block_ids

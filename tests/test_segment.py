@@ -9,6 +9,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -306,3 +307,214 @@ def test_attach_nonexistent_raises_pool_not_found(pool_name):
     assert pool_name in str(ei.value)
     assert isinstance(ei.value, FileNotFoundError)
     assert pool_name not in segment.list_names()
+
+
+# ------------------------------------------------------------------ ownership
+OTHER_UID = 54321           # a uid with no account here: "another local user"
+
+
+def _planted(name: str, mode: int, uid: int = OTHER_UID) -> str:
+    """The file another user could make first: /dev/shm/shmcache.<name>, of
+    ``uid``, with ``mode``, holding a copy of a real pool (so only its
+    owner or mode can be wrong)."""
+    src = shmcache.create_pool(name + "-src", block_size=4, max_blocks=8)
+    try:
+        with open(shm_path(src.name), "rb") as f:
+            data = f.read()
+    finally:
+        src.destroy()
+    path = shm_path(name)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    try:
+        os.write(fd, data)
+        os.fchmod(fd, mode)
+        os.fchown(fd, uid, -1)
+    finally:
+        os.close(fd)
+    return path
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a file of another uid needs root")
+def test_planted_segment_of_another_user_is_refused(pool_name):
+    from shmcache.errors import UnsafePoolError
+    path = _planted(pool_name, 0o666)
+    with open(path, "rb") as f:
+        before = f.read()
+    with pytest.raises(PoolExistsError):
+        shmcache.create_pool(pool_name, block_size=4, max_blocks=8)
+    with pytest.raises(UnsafePoolError) as ei:
+        shmcache.attach(pool_name)
+    assert f"uid {OTHER_UID}" in str(ei.value) and path in str(ei.value)
+    assert isinstance(ei.value, shmcache.ShmCacheError) and isinstance(ei.value, PermissionError)
+    with open(path, "rb") as f:
+        assert f.read() == before                   # not touched
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a file of another uid needs root")
+def test_segment_of_another_user_is_refused_even_0600(pool_name):
+    from shmcache.errors import UnsafePoolError
+    _planted(pool_name, 0o600)
+    with pytest.raises(UnsafePoolError, match=f"uid {OTHER_UID}"):
+        shmcache.attach(pool_name)
+
+
+@pytest.mark.parametrize("mode,who", [(0o666, "group and others"), (0o602, "others"),
+                                      (0o620, "group")])
+def test_segment_writable_by_others_is_refused(make_pool, mode, who):
+    from shmcache.errors import UnsafePoolError
+    m = make_pool()
+    os.chmod(shm_path(m.name), mode)
+    with pytest.raises(UnsafePoolError) as ei:
+        shmcache.attach(m.name)
+    assert f"writable by {who}" in str(ei.value) and f"{mode:04o}" in str(ei.value)
+    os.chmod(shm_path(m.name), 0o644)               # readable, not writable, by others: fine
+    other = shmcache.attach(m.name)
+    assert other.check() == []
+    other.close()
+
+
+def test_the_check_is_on_the_open_file_not_the_path(make_pool, monkeypatch):
+    """os.fstat of the descriptor attach opened: a file swapped in after the
+    open, or a path that looks fine, changes nothing."""
+    from shmcache.errors import UnsafePoolError
+    m = make_pool()
+    os.chmod(shm_path(m.name), 0o666)
+    real_stat = os.stat
+    monkeypatch.setattr(os, "stat", lambda *a, **k: real_stat(__file__))  # the path "looks" fine
+    with pytest.raises(UnsafePoolError):
+        shmcache.attach(m.name)
+
+
+def test_symlink_is_refused(make_pool, pool_name):
+    from shmcache.errors import UnsafePoolError
+    m = make_pool()
+    os.symlink(shm_path(m.name), shm_path(pool_name))
+    try:
+        with pytest.raises(UnsafePoolError, match="symbolic link"):
+            shmcache.attach(pool_name)
+    finally:
+        os.unlink(shm_path(pool_name))
+
+
+# ------------------------------------------------------------------ creation
+SLOW_CREATOR = """
+    import sys, time
+    import shmcache
+    from shmcache.pool import Pool
+    delay = float(sys.argv[2])
+    init = Pool._initialise
+    def slow(self):
+        print("creating", flush=True)
+        time.sleep(delay)
+        init(self)
+    Pool._initialise = slow
+    m = shmcache.create_pool(sys.argv[1], block_size=4, max_blocks=16)
+    m.allocate_block()
+    print("created", flush=True)
+    time.sleep(60)
+"""
+
+
+def _slow_creator(name: str, delay: float) -> subprocess.Popen:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(SLOW_CREATOR), name, str(delay)],
+                         env=env, stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "creating"
+    assert os.path.exists(shm_path(name))           # named while it is being initialised
+    return p
+
+
+def test_attach_during_creation_waits_for_the_creator(pool_name):
+    p = _slow_creator(pool_name, 1.5)
+    try:
+        t0 = time.monotonic()
+        m = shmcache.attach(pool_name, timeout=30)  # used to fail at once: "bad magic"
+        waited = time.monotonic() - t0
+        try:
+            assert waited > 0.5
+            assert m.check() == [] and m.free_blocks == 14   # the creator's block is held
+        finally:
+            m.close()
+    finally:
+        p.kill()
+        p.wait()
+        p.stdout.close()
+
+
+def test_attach_during_creation_gives_up_after_its_timeout(pool_name):
+    from shmcache.errors import IncompatiblePoolError
+    p = _slow_creator(pool_name, 30)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(IncompatiblePoolError, match="still being created"):
+            shmcache.attach(pool_name, timeout=0.3)
+        assert 0.25 < time.monotonic() - t0 < 10
+    finally:
+        p.kill()
+        p.wait()
+        p.stdout.close()
+
+
+def test_attach_after_the_creator_died_creating_fails_at_once(pool_name):
+    from shmcache.errors import IncompatiblePoolError
+    from shmcache.inspect_pool import cleanup
+    p = _slow_creator(pool_name, 60)
+    p.kill()
+    p.wait()
+    p.stdout.close()
+    t0 = time.monotonic()
+    with pytest.raises(IncompatiblePoolError) as ei:
+        shmcache.attach(pool_name, timeout=30)
+    assert time.monotonic() - t0 < 5                # not the 30 s timeout
+    assert "never initialised" in str(ei.value) and str(p.pid) in str(ei.value)
+    ok, why = cleanup(pool_name)                    # and `shmcache cleanup` removes it
+    assert ok, why
+    assert not os.path.exists(shm_path(pool_name))
+    m = shmcache.create_pool(pool_name, block_size=4, max_blocks=8)   # the name is free again
+    m.destroy()
+
+
+def test_a_failed_creation_leaves_no_half_made_file(pool_name, monkeypatch):
+    from shmcache.pool import Pool
+
+    def boom(self):
+        raise RuntimeError("initialisation failed")
+    monkeypatch.setattr(Pool, "_initialise", boom)
+    with pytest.raises(RuntimeError):
+        shmcache.create_pool(pool_name, block_size=4, max_blocks=8)
+    assert not os.path.exists(shm_path(pool_name))
+
+
+def test_header_is_checksummed(make_pool):
+    m = make_pool()
+    h = m._p.header[0]
+    assert bytes(h["checksum"]) == L.header_checksum(h) != bytes(16)
+
+
+@pytest.mark.parametrize("how", ["no O_TMPFILE", "no /proc link"])
+def test_creation_without_o_tmpfile_or_proc(pool_name, monkeypatch, how):
+    """Where the file cannot be made nameless (or named through /proc), it is
+    made under its name with O_EXCL and locked at once: same pool, same mode."""
+    import errno
+    if how == "no O_TMPFILE":
+        monkeypatch.delattr(os, "O_TMPFILE", raising=False)
+    else:
+        def no_proc(fd, path):
+            raise OSError(errno.ENOENT, "No such file or directory")
+        monkeypatch.setattr(segment, "_link_fd", no_proc)
+    m = shmcache.create_pool(pool_name, block_size=4, max_blocks=8)
+    try:
+        assert stat.S_IMODE(os.stat(shm_path(pool_name)).st_mode) == 0o600
+        other = shmcache.attach(pool_name)
+        other.allocate_block()
+        assert other.check() == [] and m.free_blocks == 6
+        other.close()
+        with pytest.raises(PoolExistsError):
+            shmcache.create_pool(pool_name, block_size=4, max_blocks=8)
+    finally:
+        m.destroy()
+    before = private_names()
+    p = shmcache.PagedCacheManager(block_size=4, max_blocks=8)
+    assert private_names() == before
+    p.close()

@@ -1,0 +1,122 @@
+"""The fused allocate/free paths (shmcache/_hot.c, and fastpath.py where it
+is not built) over corrupt shared state: every index they read from shared
+memory is checked before use. One out of range gives up the fast path; the
+Python path then raises CorruptPoolError (having rebuilt the derived state)
+or does the operation, and the pool is consistent afterwards. Each case runs
+in a subprocess: before, an out-of-range free-list or free-record head was a
+SIGSEGV."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import shmcache
+from shmcache import mutex
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SCENARIO = """
+    import sys
+    import shmcache
+    from shmcache import layout as L
+    m = shmcache.PagedCacheManager(block_size=4, max_blocks=32, max_refs=64)
+    p = m._p
+    t = m.create_block_table("t")
+    for b in m.get_new_blocks(3):
+        m.add_block_to_table(t, b, 4)
+    m.cache_full_blocks(t.block_ids, list(range(12)), 0, 3)
+    held = m.get_new_blocks(4)
+    m.delete_block_table("t")                   # three cached free blocks at the back
+    assert m.check() == []
+    kind = sys.argv[1]
+    if kind == "free-record head far":
+        p.c[L.C_FREE_REF] = 10**9               # the SIGSEGV of the report
+        op = m.allocate_block
+    elif kind == "free-record head just past":
+        p.c[L.C_FREE_REF] = p.layout.max_refs
+        op = lambda: m.get_new_blocks(2)
+    elif kind == "free-record link":
+        p.r_next[p.c[L.C_FREE_REF]] = -7
+        op = lambda: m.get_new_blocks(3)
+    elif kind == "free-list head":
+        p.b_next[p.HEAD] = 10**6
+        op = m.allocate_block
+    elif kind == "null block in free list":
+        p.b_next[p.HEAD] = 0
+        op = lambda: m.get_new_blocks(3)
+    elif kind == "free-list link":
+        p.b_next[p.b_next[p.HEAD]] = -5
+        op = lambda: m.get_new_blocks(5)
+    elif kind == "free-list tail":
+        p.b_prev[p.TAIL] = 10**6
+        m.free_block_batch(held[:1])            # uncached: to the front, fine
+        p.b_flags[held[1].block_id] |= L.FLAG_CACHED
+        op = lambda: m.free_block(held[1].block_id)  # cached: to the back
+    elif kind == "slot list head":
+        p.s_head[p.slot] = 10**6
+        op = lambda: m.free_block(held[0].block_id)
+    elif kind == "local record id":
+        m._refs.loose[held[0].block_id] = [10**6]
+        op = lambda: m.free_block(held[0].block_id)
+    else:
+        raise SystemExit("unknown scenario " + kind)
+    try:
+        out = op()
+        if isinstance(out, list):
+            assert all(0 < b.block_id < 32 for b in out), [b.block_id for b in out]
+        print("worked")
+    except shmcache.ShmCacheError as e:
+        print(type(e).__name__, e)
+    except ValueError as e:
+        print("ValueError", e)
+    # consistent again (repaired), and usable
+    assert m.check() == [], m.check()
+    got = m.get_new_blocks(2)
+    m.free_block_batch(got)
+    assert m.check() == []
+    print("consistent")
+"""
+
+KINDS = ["free-record head far", "free-record head just past", "free-record link",
+         "free-list head", "null block in free list", "free-list link", "free-list tail",
+         "slot list head", "local record id"]
+
+
+@pytest.mark.parametrize("pure", [False, True], ids=["C", "pure"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_corrupt_index_never_followed(kind, pure):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("SHMCACHE_PURE", None)
+    if pure:
+        env["SHMCACHE_PURE"] = "1"
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(SCENARIO), kind], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr[-3000:])
+    lines = r.stdout.strip().splitlines()
+    assert lines[-1] == "consistent", r.stdout
+    first = lines[0]
+    assert first == "worked" or first.startswith(("CorruptPoolError", "ValueError")), first
+    if first.startswith("CorruptPoolError"):
+        assert "is corrupt" in first and "rebuilt" in first
+
+
+@pytest.mark.skipif(not mutex.ACCELERATED, reason="the C accelerator is not built")
+def test_alloc_checks_the_count_before_sizing_anything():
+    """_hot.alloc sized its buffers by n before looking at it: 2**40 was a
+    MemoryError. Now a count the pool cannot have goes to the slow path."""
+    m = shmcache.PagedCacheManager(block_size=4, max_blocks=32)
+    try:
+        p = m._p
+        assert p.native.alloc(2**40, p.slot, m._epoch, m._refs.loose) is None
+        assert p.native.alloc(32, p.slot, m._epoch, m._refs.loose) is None
+        assert len(p.native.alloc(31, p.slot, m._epoch, m._refs.loose)) == 31
+        with pytest.raises(ValueError):
+            p.native.set_max_refs(10**12)       # more records than the mapping holds
+        assert m.check() == []
+    finally:
+        m.close()

@@ -23,6 +23,8 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <time.h>
+#include <signal.h>
+#include <sys/types.h>
 
 /* The parameters Hot() takes, in this order (a tuple of ints). */
 enum {
@@ -140,9 +142,41 @@ Hot_trylock(Hot *self, PyObject *unused)
  * slice, so a live waiter notices a free lock within LOCK_SLICE_NS.
  * `slices` counts the slices that ran out (a test hook: how the waiter
  * got the lock). */
+/* Slices a lock word may name the same owner before we ask whether that
+ * owner still exists (see owner_vanished). */
+#define DEAD_OWNER_SLICES 100       /* 1 s */
+#define W_WAITERS 0x80000000u
+#define W_OWNER_DIED 0x40000000u
+#define W_TID_MASK 0x3fffffffu
+
+/* The lock word names a thread that no longer exists, and nothing told the
+ * kernel (a corrupted or planted word, or a holder that died without a
+ * robust list entry): mark the owner dead as the kernel does at a thread's
+ * exit, so that the next lock attempt returns EOWNERDEAD and repairs.
+ *
+ * NOTE: only after the same word stayed for DEAD_OWNER_SLICES: a live holder
+ * changes it or releases it long before that; and the word is changed by
+ * compare-and-swap, so a holder that released it meanwhile is never touched.
+ * The thread id is in our pid namespace: a pool shared across pid
+ * namespaces is not supported. glibc keeps the lock word first in
+ * pthread_mutex_t on Linux. */
+static void
+owner_vanished(pthread_mutex_t *m, uint32_t w)
+{
+    uint32_t tid = w & W_TID_MASK;
+    if (!tid || (w & W_OWNER_DIED))
+        return;
+    if (kill((pid_t)tid, 0) == 0 || errno != ESRCH)
+        return;
+    __atomic_compare_exchange_n((uint32_t *)m, &w, (w & W_WAITERS) | W_OWNER_DIED, 0,
+                                __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+}
+
 static int
 lock_bounded(pthread_mutex_t *m, long *slices)
 {
+    uint32_t last = 0;
+    int same = 0;
     for (;;) {
         struct timespec ts;
         int e;
@@ -157,6 +191,13 @@ lock_bounded(pthread_mutex_t *m, long *slices)
             return e;
         if (slices)
             (*slices)++;
+        uint32_t w = __atomic_load_n((uint32_t *)m, __ATOMIC_ACQUIRE);
+        same = (w == last) ? same + 1 : 0;
+        last = w;
+        if (same >= DEAD_OWNER_SLICES) {
+            owner_vanished(m, w);
+            same = 0;
+        }
     }
 }
 

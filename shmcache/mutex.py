@@ -99,6 +99,7 @@ def open_mutex(mm):
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _CLOCK_MONOTONIC = 1
 LOCK_SLICE_S = 0.010     # the longest one futex sleep on the pool lock lasts
+DEAD_OWNER_SLICES = 100  # slices naming one owner before asking if it exists
 
 
 class _Timespec(ctypes.Structure):
@@ -117,6 +118,7 @@ class CtypesMutex:
         self._anchor = ctypes.c_char.from_buffer(mm, L.MUTEX_OFF)
         self._m = ctypes.c_void_p(ctypes.addressof(self._anchor))
         self._dirty = ctypes.c_int64.from_buffer(mm, L.HEADER_SIZE + 8 * L.C_DIRTY)
+        self._word = ctypes.c_uint32.from_buffer(mm, L.MUTEX_OFF)    # glibc's lock word
 
     def init_mutex(self) -> None:
         attr = ctypes.create_string_buffer(64)
@@ -156,6 +158,7 @@ class CtypesMutex:
         # a wake-up lost to a killed waiter or unlocker costs one slice.
         m = self._mutex()
         ts = _Timespec()
+        last, same = None, 0
         while True:
             _libc.clock_gettime(_CLOCK_MONOTONIC, ctypes.byref(ts))
             ns = ts.tv_nsec + int(LOCK_SLICE_S * 1e9)
@@ -165,6 +168,30 @@ class CtypesMutex:
             if e != errno.ETIMEDOUT:
                 return self._taken(e, False)
             CtypesMutex.slices += 1
+            w = self._word.value
+            same = same + 1 if w == last else 0
+            last = w
+            if same >= DEAD_OWNER_SLICES:      # as _hot's owner_vanished
+                self._owner_vanished(w)
+                same = 0
+
+    def _owner_vanished(self, w: int) -> None:
+        tid = w & 0x3FFFFFFF
+        if not tid or w & 0x40000000:
+            return
+        try:
+            os.kill(tid, 0)
+            return
+        except ProcessLookupError:
+            pass
+        except OSError:
+            return
+        # NOTE: ctypes has no compare-and-swap, so this is a store after a
+        # re-read: the named holder is dead, so only a waiter that takes the
+        # lock in the few instructions between could have changed the word.
+        # The C accelerator (the normal path) uses a real CAS.
+        if self._word.value == w:
+            self._word.value = (w & 0x80000000) | 0x40000000
 
     slices = 0          # timed-lock slices that ran out in this process (a test hook)
 
@@ -178,4 +205,4 @@ class CtypesMutex:
 
     def release(self) -> None:
         self._m = None
-        self._anchor = self._dirty = None
+        self._anchor = self._dirty = self._word = None

@@ -446,3 +446,29 @@ def test_a_waiter_gets_the_lock_when_the_woken_waiter_is_killed_before_it_runs(m
         third.release()
         mm.close()
     assert mgr.check() == []
+
+
+@pytest.mark.parametrize("pure", [False, True], ids=["c", "ctypes"])
+@pytest.mark.timeout(60)
+def test_a_lock_word_naming_a_dead_thread_is_taken_over(make_pool, pure):
+    """A lock word that names a thread that no longer exists, which the
+    kernel never marked (a planted or corrupted word, a holder without a
+    robust-list entry), used to make every locker wait forever: now the
+    owner is found gone after about a second and the lock is taken as from
+    a dead holder (the pool marked dirty, so it is repaired)."""
+    if not mutex.ACCELERATED and not pure:
+        pytest.skip("shmcache._hot is not built here")
+    mgr = make_pool(max_blocks=16)
+    native = _native_of(mgr, pure)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=20)                      # its pid (= its thread id) is gone
+    import ctypes
+    ctypes.c_uint32.from_buffer(mgr._p.mm, L.MUTEX_OFF).value = dead.pid
+    assert native.trylock() == -1              # looks held
+    got = {}
+    th = threading.Thread(target=lambda: got.setdefault("b", mgr.allocate_block()), daemon=True)
+    th.start()
+    th.join(timeout=10)
+    assert not th.is_alive(), "waits forever on a lock whose owner no longer exists"
+    assert got["b"] is not None
+    assert mgr.check() == []

@@ -14,6 +14,12 @@ others from their prompts. Sampling is seeded per request and sample, so
 the re-run produces the same tokens; the supervisor drops the ones it
 already delivered, and the client sees one complete answer.
 
+With ``l2`` (a Redis URL), the workers use Redis as a second tier (see
+``shmcache.l2``): the supervisor computes the model's identity and picks the
+secret (the cluster secret, or a random one per pool: then nothing is shared
+with other pools), passes them to every worker, and sums the workers' L2
+counters (a restarted worker's are kept) for ``stats()``.
+
 NOTE: everything here runs on the server's event loop; the only blocking
 calls are the pool's (microseconds) and the workers' pipe writes.
 """
@@ -65,6 +71,7 @@ class _Worker:
         self.load = 0
         self.preemptions = 0
         self.working_bytes = 0
+        self.l2: dict = {}                 # its L2 counters, as last reported
         self.reader: Optional[asyncio.Task] = None
         self.enc = msgspec.msgpack.Encoder()
 
@@ -83,11 +90,19 @@ class WorkerBackend:
         block_size: tokens per block.
         max_n: the largest ``n`` a request may ask for.
         pool_name: the pool's name (default ``serve-<pid>``).
+        l2: a Redis URL: the L2 tier (None: L1 only).
+        cluster_secret: the secret shared by the pools that share L2 entries
+            (None: a random one, this pool's alone).
+        l2_timeout, l2_retry, l2_ttl: seconds: each L2 socket operation of
+            a lookup, between attempts during an outage, a value's life
+            (None: until Redis evicts it).
     """
 
     def __init__(self, model, workers: int = 2, max_blocks: Optional[int] = None,
                  block_size: int = 16, max_n: int = 16, pool_name: Optional[str] = None,
-                 max_batch: int = 32) -> None:
+                 max_batch: int = 32, l2: Optional[str] = None,
+                 cluster_secret: Optional[str] = None, l2_timeout: Optional[float] = None,
+                 l2_retry: Optional[float] = None, l2_ttl: Optional[int] = None) -> None:
         from mlx_lm.utils import load_tokenizer
         self.path = Path(model)
         if not (self.path / "config.json").is_file():
@@ -106,6 +121,15 @@ class WorkerBackend:
         self._ids = itertools.count(1)
         self._closing = False
         self._started = False           # every worker was ready once: restart the dead ones
+        self.l2_url = l2
+        self.l2_timeout, self.l2_retry, self.l2_ttl = l2_timeout, l2_retry, l2_ttl
+        self._l2_secret = (cluster_secret.encode() if cluster_secret else os.urandom(32))
+        self.l2_shared = bool(cluster_secret)
+        self.l2_model_id: Optional[str] = None
+        self._l2_retired: dict = {}     # the L2 counters of workers that died
+        if l2:
+            from ..l2 import check_url
+            check_url(l2)
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -149,14 +173,40 @@ class WorkerBackend:
             max_slots=max(64, 4 * self.n_workers), max_refs=16 * self.max_blocks,
             max_tables=max(1024, 4 * self.max_batch * self.n_workers), **lay)
         self.layout = lay
+        if self.l2_url:
+            self._start_l2()
+
+    def _start_l2(self) -> None:
+        from .. import l2
+        self.l2_model_id = l2.model_identity(self.path)
+        client = l2._client(self.l2_url, 1.0)       # (raises without redis-py)
+        try:
+            ok = bool(client.ping())
+        except Exception as e:
+            ok, why = False, f"{type(e).__name__}: {e}"
+        finally:
+            client.close()
+        log.info("L2: %s (%s), %s secret, model %s", l2.redact(self.l2_url),
+                 "reachable" if ok else f"not reachable now ({why}); the workers retry",
+                 "the cluster" if self.l2_shared else "this pool's own (random)",
+                 self.l2_model_id)
 
     async def _spawn(self, w: _Worker) -> None:
         w.ready.clear()
         env = dict(os.environ)
+        extra = []
+        if self.l2_url:
+            from .worker import L2_SECRET_ENV
+            env[L2_SECRET_ENV] = self._l2_secret.hex()
+            extra = ["--l2", self.l2_url, "--l2-model-id", self.l2_model_id]
+            for flag, v in (("--l2-timeout", self.l2_timeout), ("--l2-retry", self.l2_retry),
+                            ("--l2-ttl", self.l2_ttl)):
+                if v is not None:
+                    extra += [flag, str(v)]
         w.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "shmcache.server.worker", "--pool", self.pool_name,
             "--model", str(self.path), "--id", str(w.idx), "--max-batch", str(self.max_batch),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
+            *extra, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
             start_new_session=True)          # Ctrl-C reaches the server, which stops them
         w.reader = asyncio.create_task(self._read(w, w.proc))
 
@@ -262,12 +312,30 @@ class WorkerBackend:
             ref = m._p.blocks["ref_count"][1:n] > 0
             cached = (m._p.blocks["flags"][1:n] & FLAG_CACHED) != 0
             used, n_cached, free = int(ref.sum()), int(cached.sum()), int((~ref & ~cached).sum())
-        return dict(blocks_total=n - 1, blocks_used=used, blocks_free=free, blocks_cached=n_cached,
-                    preemptions=sum(w.preemptions for w in self.workers),
-                    worker_restarts=self.restarts,
-                    workers_alive=sum(1 for w in self.workers if w.ready.is_set()
-                                      and w.proc.returncode is None),
-                    working_bytes=sum(w.working_bytes for w in self.workers))
+        out = dict(blocks_total=n - 1, blocks_used=used, blocks_free=free, blocks_cached=n_cached,
+                   preemptions=sum(w.preemptions for w in self.workers),
+                   worker_restarts=self.restarts,
+                   workers_alive=sum(1 for w in self.workers if w.ready.is_set()
+                                     and w.proc.returncode is None),
+                   working_bytes=sum(w.working_bytes for w in self.workers))
+        if self.l2_url:
+            out.update(self.l2_stats())
+        return out
+
+    def l2_stats(self) -> dict:
+        """The workers' L2 counters summed (``l2_<name>``), and ``l2_up``: 1
+        when every live worker that reported finds L2 answering."""
+        from ..l2 import COUNTERS
+        total = {k: self._l2_retired.get(k, 0) for k in COUNTERS}
+        up = 1
+        for w in self.workers:
+            for k in COUNTERS:
+                total[k] += w.l2.get(k, 0)
+            if w.l2 and w.proc is not None and w.proc.returncode is None:
+                up = min(up, w.l2.get("up", 1))
+        out = {f"l2_{k}": v for k, v in total.items()}
+        out["l2_up"] = up
+        return out
 
     # ---------------------------------------------------------- a worker's events
     async def _read(self, w: _Worker, proc) -> None:
@@ -309,6 +377,8 @@ class WorkerBackend:
                 f.q.put_nowait(Error(msg.message, msg.status))
         elif isinstance(msg, wire.Load):
             w.preemptions, w.working_bytes = msg.preemptions, msg.working_bytes
+            if msg.l2:
+                w.l2 = msg.l2
         elif isinstance(msg, wire.Ready):
             w.ready.set()
 
@@ -316,6 +386,10 @@ class WorkerBackend:
         flights = list(w.flights.values())
         w.flights.clear()
         w.ready.clear()
+        for k, v in w.l2.items():          # its counters stay counted
+            if k != "up":
+                self._l2_retired[k] = self._l2_retired.get(k, 0) + v
+        w.l2 = {}
         log.warning("worker %d (pid %d) died (exit %s); re-running its %d requests",
                     w.idx, w.proc.pid, rc if rc is None or rc >= 0 else signal.Signals(-rc).name,
                     len(flights))

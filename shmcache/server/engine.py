@@ -23,6 +23,12 @@ of a shared partial block), runs the model on the batch, samples each row
 preemption or a worker's death gives the same tokens), writes each row's new
 K/V through and publishes blocks as they fill.
 
+With an L2 (``shmcache.l2.L2Tier``, ``shmcache serve --l2``), admission
+asks it for the chain's next blocks after the L1 hit: what it finds is
+loaded into new pool blocks and published in L1 before the prefill, which
+then starts on the block boundary after it, as after an L1 hit; every block
+this worker publishes is queued for L2 (a background thread writes it).
+
 Out of blocks, the newest request is preempted (its tables deleted, its
 published blocks stay cached) and re-run from its prompt later; the
 supervisor drops the tokens it already delivered.
@@ -44,6 +50,11 @@ from ..mlx_lm import PoolBatchKVCache, PoolKVCache, PoolSequence, load_prefix, m
 from .wire import Gen
 
 log = logging.getLogger("shmcache.engine")
+
+
+class _Seq(PoolSequence):
+    """A :class:`PoolSequence` with its L2 chain hashes (None without L2)."""
+    chain: Optional[list] = None
 
 
 @dataclass
@@ -78,8 +89,10 @@ class Engine:
         max_batch: the most samples decoded together.
     """
 
-    def __init__(self, mgr, model, eos_ids, emit, worker_id: int = 0, max_batch: int = 32) -> None:
+    def __init__(self, mgr, model, eos_ids, emit, worker_id: int = 0, max_batch: int = 32,
+                 l2=None) -> None:
         self.mgr = mgr
+        self.l2 = l2                               # an L2Tier, or None
         self.model = model
         self.eos = set(eos_ids)
         self.emit = emit
@@ -157,7 +170,18 @@ class Engine:
         blocks, cached = mgr.acquire_computed_blocks(prompt[:-1], extra)
         for b in blocks:
             mgr.add_block_to_table(table, b, bs)
-        seq = PoolSequence(mgr, table, extra)
+        chain = None
+        if self.l2 is not None:
+            n = (len(prompt) - 1) // bs
+            chain = self.l2.chain(prompt, n, extra)
+            if cached // bs < n:
+                try:        # (load never raises for an L2 fault; this is the pool's)
+                    cached += self.l2.load(table, prompt, extra, cached // bs, chain) * bs
+                except BaseException:
+                    mgr.delete_block_table(table.request_id)
+                    raise
+        seq = _Seq(mgr, table, extra)
+        seq.chain = chain
         caches = make_pool_cache(self.model, seq)
         load_prefix(caches)
         try:
@@ -166,10 +190,10 @@ class Engine:
             while pos < end:                       # block-aligned chunks
                 stop = min(end, (pos // bs + 1) * bs)
                 self._forward_reserved(req, seq, caches, prompt[pos:stop])
-                seq.publish(prompt)
+                self._publish(seq, prompt)
                 pos = stop
             logits = self._forward_reserved(req, seq, caches, prompt[-1:])
-            seq.publish(prompt)
+            self._publish(seq, prompt)
         except OutOfBlocksError:
             mgr.delete_block_table(table.request_id)
             return False
@@ -179,7 +203,9 @@ class Engine:
         rows = [_Row(req, 0, seq)]
         for j in range(1, p.n):
             t = mgr.fork_block_table(table, self._tables(req, j))
-            rows.append(_Row(req, j, PoolSequence(mgr, t, extra)))
+            fork = _Seq(mgr, t, extra)
+            fork.chain = list(seq.chain) if seq.chain is not None else None
+            rows.append(_Row(req, j, fork))
         per_row = []
         for r in rows:
             r.sampler = make_sampler(p.temperature, p.top_p, p.min_p, top_k=p.top_k)
@@ -197,6 +223,17 @@ class Engine:
         self._add_rows(rows, per_row)
         self._advance(list(zip(rows, first)))
         return True
+
+    def _publish(self, seq: "_Seq", tokens) -> None:
+        """Publish the sequence's full blocks; queue the new ones for L2."""
+        before = seq.published
+        seq.publish(tokens)
+        if self.l2 is not None and seq.published > before:
+            try:
+                seq.chain = self.l2.chain(tokens, seq.published, seq.extra_keys, seq.chain)
+                self.l2.write_back(seq.ids[before:seq.published], seq.chain[before:seq.published])
+            except Exception:              # never fail a request for its write-back
+                log.exception("L2 write-back of %d blocks failed", seq.published - before)
 
     def _forward_reserved(self, req, seq, caches, tokens):
         seq.reserve(len(tokens))
@@ -273,12 +310,12 @@ class Engine:
                 finished.add(id(r))
             else:
                 # publish the blocks that filled (prompt + generated tokens)
-                r.seq.publish(r.req.gen.prompt + r.generated)
+                self._publish(r.seq, r.req.gen.prompt + r.generated)
         self.emit("step", items)
         if finished:
             for r in self.rows:
                 if id(r) in finished:
-                    r.seq.publish(r.req.gen.prompt + r.generated[:-1])
+                    self._publish(r.seq, r.req.gen.prompt + r.generated[:-1])
                     r.seq.release()
             keep = [r for r in self.rows if id(r) not in finished]
             for req in {r.req.gen.id: r.req for r in self.rows if id(r) in finished}.values():

@@ -48,6 +48,25 @@ def _port(text: str) -> int:
     return v
 
 
+def _seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < v <= 3600:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds (and at most 3600), "
+                                         f"not {v}")
+    return v
+
+
+def _redis_url(text: str) -> str:
+    from ..l2 import check_url
+    try:
+        return check_url(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 HELP = "an OpenAI-compatible HTTP server; its workers share one prefix cache"
 DESCRIPTION = """\
 Serve an MLX language model over an OpenAI-compatible HTTP API. The worker
@@ -58,6 +77,13 @@ endpoints:
   POST /v1/completions, /v1/chat/completions   (stream, n, stop, seed,
        temperature, top_p, top_k, min_p, max_tokens, cache_salt)
   GET  /v1/models, /health, /metrics (Prometheus)
+
+With --l2 redis://HOST:PORT[/DB], Redis is a second cache tier shared by the
+pools of many hosts: published blocks are written to it in the background,
+and a prompt prefix missing from the pool is loaded from it when found there.
+Pools share entries only under one --cluster-secret (or $SHMCACHE_CLUSTER_SECRET,
+which keeps it off the command line). Redis down or slow: serving goes on from
+the pool alone.
 
 SIGINT or SIGTERM stops the server: requests in flight get a few seconds, then
 the workers stop and the pool is removed from /dev/shm."""
@@ -81,6 +107,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV blocks in the shared pool (default: sized by the backend)")
     p.add_argument("--block-size", metavar="N", type=_positive, default=16,
                    help="tokens per KV block, the prefix-cache granularity (default: %(default)s)")
+    g = p.add_argument_group("L2 (a Redis tier shared by hosts)")
+    g.add_argument("--l2", metavar="URL", type=_redis_url, default=None,
+                   help="redis://HOST:PORT[/DB] (rediss:// for TLS): a Redis or Valkey server "
+                        "as the second cache tier (default: none)")
+    g.add_argument("--cluster-secret", metavar="S", default=None,
+                   help="the secret of the pools that share L2 entries (default: "
+                        "$SHMCACHE_CLUSTER_SECRET; without either, a random secret: this pool "
+                        "shares nothing with others)")
+    g.add_argument("--l2-timeout", metavar="S", type=_seconds, default=None,
+                   help="seconds Redis has to answer each step of a lookup before the request "
+                        "goes on without it (default: 0.05)")
+    g.add_argument("--l2-retry", metavar="S", type=_seconds, default=None,
+                   help="during an outage, seconds between attempts to reach Redis "
+                        "(default: 2)")
+    g.add_argument("--l2-ttl", metavar="S", type=_positive, default=None,
+                   help="seconds an L2 entry lives (default: until Redis evicts it; set "
+                        "maxmemory-policy allkeys-lru)")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                    help="log level (default: %(default)s; 'debug' adds uvicorn's own "
                         "startup messages)")
@@ -133,8 +176,16 @@ def run(args) -> int:
             from ..demo_model import ensure_demo_model
             model = ensure_demo_model()
             log.info("no --model given: using the demo model at %s", model)
+        l2 = getattr(args, "l2", None)
+        secret = getattr(args, "cluster_secret", None) or os.environ.get("SHMCACHE_CLUSTER_SECRET")
+        if getattr(args, "cluster_secret", None) and not l2:
+            log.warning("--cluster-secret without --l2 does nothing")
         backend = WorkerBackend(model=model, workers=args.workers, max_blocks=args.max_blocks,
-                                block_size=args.block_size)
+                                block_size=args.block_size, l2=l2,
+                                cluster_secret=secret if l2 else None,
+                                l2_timeout=getattr(args, "l2_timeout", None),
+                                l2_retry=getattr(args, "l2_retry", None),
+                                l2_ttl=getattr(args, "l2_ttl", None))
         url = _url(sock)
 
         def ready() -> None:

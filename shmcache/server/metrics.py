@@ -31,6 +31,23 @@ BACKEND_STATS = (
     ("preemptions", "preemptions", "counter", "requests preempted for lack of pool blocks"),
     ("worker_restarts", "worker_restarts", "counter", "worker processes restarted after dying"),
     ("workers_alive", "workers_alive", "gauge", "worker processes alive"),
+    # the L2 (Redis) tier: present with --l2 only
+    ("l2_up", "l2_up", "gauge", "1 while every worker finds the L2 (Redis) answering, 0 in an "
+     "outage"),
+    ("l2_lookups", "l2_lookups", "counter", "L2 lookups (prompts with blocks beyond the L1 hit)"),
+    ("l2_hits", "l2_hits", "counter", "KV blocks loaded from L2"),
+    ("l2_misses", "l2_misses", "counter",
+     "KV blocks looked up in L2 and not found there (computed)"),
+    ("l2_read_bytes", "l2_read_bytes", "counter", "bytes of the values loaded from L2"),
+    ("l2_writes", "l2_writes", "counter", "KV blocks written to L2"),
+    ("l2_written_bytes", "l2_written_bytes", "counter", "bytes written to L2"),
+    ("l2_dropped", "l2_dropped", "counter",
+     "KV blocks not written to L2 (its queue full, or L2 down or refusing writes)"),
+    ("l2_rejected", "l2_rejected", "counter",
+     "L2 values rejected (corrupt, truncated, another layout or key)"),
+    ("l2_timeouts", "l2_timeouts", "counter", "L2 operations that timed out"),
+    ("l2_errors", "l2_errors", "counter", "L2 operations that failed otherwise"),
+    ("l2_outages", "l2_outages", "counter", "times the L2 became unavailable"),
 )
 
 

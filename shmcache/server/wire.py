@@ -68,6 +68,7 @@ class Load(msgspec.Struct, tag="load"):
     waiting: int
     preemptions: int
     working_bytes: int             # this worker's private K/V working buffers
+    l2: dict[str, int] = {}        # the L2 tier's counters (shmcache.l2.COUNTERS, "up"), if any
 
 
 FromWorker = Union[Ready, Admitted, Step, Failed, Load]

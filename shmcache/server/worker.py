@@ -22,6 +22,8 @@ import shmcache  # first: binds the fast BLAS before mlx loads
 
 from . import wire
 
+L2_SECRET_ENV = "SHMCACHE_L2_SECRET"      # hex, set by the supervisor for its workers
+
 
 def _reader(q: queue.Queue) -> None:
     while True:
@@ -38,6 +40,11 @@ def main(argv=None) -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--id", type=int, default=0)
     ap.add_argument("--max-batch", type=int, default=32)
+    ap.add_argument("--l2", default=None, help="the L2's Redis URL")
+    ap.add_argument("--l2-model-id", default=None, help="the model's identity in L2 keys")
+    ap.add_argument("--l2-timeout", type=float, default=None)
+    ap.add_argument("--l2-retry", type=float, default=None)
+    ap.add_argument("--l2-ttl", type=int, default=None)
     args = ap.parse_args(argv)
     logging.basicConfig(level=os.environ.get("SHMCACHE_LOG_LEVEL", "WARNING").upper(),
                         format=f"worker {args.id}: %(message)s")
@@ -62,7 +69,15 @@ def main(argv=None) -> int:
         elif kind == "failed":
             writer.send(wire.Failed(*payload))
 
-    engine = Engine(mgr, model, tokenizer.eos_token_ids, emit, args.id, args.max_batch)
+    l2 = None
+    if args.l2:
+        from ..l2 import DEFAULT_RETRY, DEFAULT_TIMEOUT, L2Tier
+        # the secret comes in the environment (a command line is public)
+        secret = bytes.fromhex(os.environ.pop(L2_SECRET_ENV))
+        l2 = L2Tier(mgr, args.l2, model_id=args.l2_model_id, secret=secret,
+                    timeout=args.l2_timeout or DEFAULT_TIMEOUT,
+                    retry_s=args.l2_retry or DEFAULT_RETRY, ttl=args.l2_ttl)
+    engine = Engine(mgr, model, tokenizer.eos_token_ids, emit, args.id, args.max_batch, l2=l2)
     q: queue.Queue = queue.Queue()
     threading.Thread(target=_reader, args=(q,), daemon=True).start()
     writer.send(wire.Ready(args.id, os.getpid()))
@@ -89,11 +104,14 @@ def main(argv=None) -> int:
             if now - last_load > 0.5:
                 last_load = now
                 writer.send(wire.Load(args.id, len(engine.rows), len(engine.waiting),
-                                      engine.preemptions, engine.working_bytes()))
+                                      engine.preemptions, engine.working_bytes(),
+                                      l2.stats() if l2 is not None else {}))
     except BrokenPipeError:
         return 0
     finally:
         engine.close()
+        if l2 is not None:
+            l2.close(flush_s=1.0)
         mgr.close()
 
 

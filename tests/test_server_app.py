@@ -755,7 +755,7 @@ sys.path.insert(0, os.environ["TESTS_DIR"])
 from test_server_app import FakeBackend, load_tokenizer
 
 class WorkerBackend(FakeBackend):          # stands in for the real one: same constructor
-    def __init__(self, model, workers, max_blocks, block_size):
+    def __init__(self, model, workers, max_blocks, block_size, **options):
         super().__init__(load_tokenizer(Path(model)))
         self.log(f"built workers={workers} max_blocks={max_blocks} block_size={block_size}")
         self.hang_after = int(os.environ.get("HANG_AFTER", "-1"))

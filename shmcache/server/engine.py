@@ -194,18 +194,27 @@ class Engine:
                 pos = stop
             logits = self._forward_reserved(req, seq, caches, prompt[-1:])
             self._publish(seq, prompt)
-        except OutOfBlocksError:
+        except BaseException as e:
+            # a failed prefill holds nothing: out of blocks it is retried
+            # later, anything else fails the request (the caller reports it)
             mgr.delete_block_table(table.request_id)
-            return False
+            if isinstance(e, OutOfBlocksError):
+                return False
+            raise
         self.emit("admitted", (g.id, len(prompt), cached))   # the supervisor keeps the first
         # samples 1..n-1 fork the table; their working buffers start as views
         # of sample 0's (MLX arrays are values: later writes never alias)
         rows = [_Row(req, 0, seq)]
-        for j in range(1, p.n):
-            t = mgr.fork_block_table(table, self._tables(req, j))
-            fork = _Seq(mgr, t, extra)
-            fork.chain = list(seq.chain) if seq.chain is not None else None
-            rows.append(_Row(req, j, fork))
+        try:
+            for j in range(1, p.n):
+                t = mgr.fork_block_table(table, self._tables(req, j))
+                fork = _Seq(mgr, t, extra)
+                fork.chain = list(seq.chain) if seq.chain is not None else None
+                rows.append(_Row(req, j, fork))
+        except BaseException:
+            for r in rows:
+                r.seq.release()
+            raise
         per_row = []
         for r in rows:
             r.sampler = make_sampler(p.temperature, p.top_p, p.min_p, top_k=p.top_k)

@@ -312,7 +312,12 @@ class WorkerBackend:
             ref = m._p.blocks["ref_count"][1:n] > 0
             cached = (m._p.blocks["flags"][1:n] & FLAG_CACHED) != 0
             used, n_cached, free = int(ref.sum()), int(cached.sum()), int((~ref & ~cached).sum())
+            held = int((ref | cached).sum())
+        lay = m.layout
+        per_block = 2 * lay.num_layers * lay.num_kv_heads * lay.head_dim * lay.block_size * (
+            4 if lay.dtype == "float32" else 2)
         out = dict(blocks_total=n - 1, blocks_used=used, blocks_free=free, blocks_cached=n_cached,
+                   pool_kv_bytes=held * per_block,
                    preemptions=sum(w.preemptions for w in self.workers),
                    worker_restarts=self.restarts,
                    workers_alive=sum(1 for w in self.workers if w.ready.is_set()

@@ -35,10 +35,13 @@ test: setup
 			echo "test: redis-server is not installed (needs root and apt-get): the L2 tests will be SKIPPED"; \
 		fi; \
 	fi
+	@# the seed module, for the tests that run code written for it (test environment only)
+	$(BIN)/pip install -q --no-deps vllm-mlx==0.6.0
 	$(BIN)/python -m pytest -q -rs
 	# the fallback where the C accelerators are not built: same mutex, Python paths, numpy gather
 	SHMCACHE_PURE=1 $(BIN)/python -m pytest -q tests/test_mutex.py tests/test_recovery.py \
-		tests/test_paged_cache.py tests/test_lock.py tests/test_kv.py
+		tests/test_paged_cache.py tests/test_lock.py tests/test_kv.py tests/test_refs.py \
+		tests/test_seed_consumer.py
 
 run: setup
 	$(BIN)/python -m workers.supervisor

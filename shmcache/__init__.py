@@ -34,6 +34,12 @@ def create_pool(name: str, *, block_size: int = 64, max_blocks: int = 1000,
                 max_tables: int | None = None, max_refs: int | None = None) -> PagedCacheManager:
     """Create the named pool ``/dev/shm/shmcache.<name>`` (mode 0600) and return its manager.
 
+    ``max_slots`` managers may attach at once, ``max_tables`` block tables
+    exist at once (default: ``max_blocks``, from 64 to 4,096) and
+    ``max_refs`` block references are held in them and by the managers
+    (default: ``layout.default_max_refs``: 2 per block and 256 per table;
+    4 bytes each).
+
     Raises:
         PoolExistsError: the name is taken.
         InsufficientSharedMemoryError: /dev/shm has too little free space.

@@ -17,10 +17,11 @@
  * fence) before the first shared write and cleared after the last, so a
  * holder killed in between leaves a pool that the next holder repairs.
  *
- * Every index read from shared memory (free-list links, the free-record list
- * head and links, the slot's list head) is checked against its structure's
- * size before it is used. One out of range means a corrupt pool: the op
- * gives up (before its first write when the check can be made then, else
+ * Every index read from shared memory (free-list links, the free chunk list
+ * head and links, the slot's list head and its chunk links, the words of
+ * the local map) is checked against its structure's size before it is
+ * used. One out of range means a corrupt pool: the op gives up (before its
+ * first write when the check can be made then, else
  * leaving the pool dirty, as a crash would) and returns None, and the Python
  * path, which finds the pool dirty or meets the same index, repairs or
  * raises CorruptPoolError. No index is followed outside the segment.
@@ -34,22 +35,40 @@
 #include "_hot_mutex.h"
 
 /* The Hot object, with what the fused ops need beyond _hot_mutex.h's
- * parameters: how many reference records there are. */
+ * parameters (set_chunks): how many reference chunks there are, where a
+ * block record keeps its generation, and the seed's token counter.
+ *
+ * The chunk area (P_REFS_OFF, P_REF_SIZE bytes a chunk) is seen as int32
+ * words: chunk c is words [c*CW, c*CW + CW), word 0 its link, then CI block
+ * ids. A slot's loose list: P_S_HEAD is its first chunk, the partly filled
+ * one with ((count - 1) % CI) + 1 ids; the chunks it links to are full
+ * (see refs.py). The process-local map holds, for each block, the words of
+ * its loose ids. */
+#define CI 15
+#define CW 16
+
 typedef struct {
     Hot h;
-    Py_ssize_t max_refs;    /* record ids the fused ops accept: [0, max_refs) */
+    Py_ssize_t nchunks;     /* chunk ids the fused ops accept: [0, nchunks) */
+    Py_ssize_t gen_off;     /* byte offset of a block record's generation (-1: off) */
+    Py_ssize_t c_tokens;    /* counter index of the seed's total_tokens_cached (-1: off) */
 } HotX;
 
-#define MAX_REFS(h) (((HotX *)(h))->max_refs)
+#define NCHUNKS(h) (((HotX *)(h))->nchunks)
 #define IS_BLOCK(h, b) ((b) >= 1 && (b) < (h)->p[P_MAX_BLOCKS])
-#define IS_REC(h, r) ((r) >= 0 && (r) < MAX_REFS(h))
+#define IS_CHUNK(h, c) ((c) >= 0 && (c) < NCHUNKS(h))
+#define W(h, g) (((int32_t *)((h)->base + (h)->p[P_REFS_OFF]))[g])
+#define GEN(h, b) (*(uint32_t *)((h)->base + (h)->p[P_BLOCKS_OFF] + \
+                                  (int64_t)(b) * (h)->p[P_BLOCK_SIZE] + ((HotX *)(h))->gen_off))
+#define NCH_FOR(n) (((n) + CI - 1) / CI)
 
-/* The most records that fit between the records' offset and the end of the
- * mapping (0 when the fused ops are off). */
+/* The most chunks that fit between the chunks' offset and the end of the
+ * mapping (0 when the fused ops are off, or the record size is not a
+ * chunk's). */
 static Py_ssize_t
-refs_room(Hot *h)
+chunks_room(Hot *h)
 {
-    if (h->p[P_MAX_SLOTS] <= 0 || h->p[P_REF_SIZE] <= 0 || h->p[P_REFS_OFF] <= 0 ||
+    if (h->p[P_MAX_SLOTS] <= 0 || h->p[P_REF_SIZE] != CW * 4 || h->p[P_REFS_OFF] <= 0 ||
         h->p[P_REFS_OFF] >= h->view.len)
         return 0;
     return (h->view.len - h->p[P_REFS_OFF]) / h->p[P_REF_SIZE];
@@ -103,25 +122,36 @@ Hot_init(Hot *self, PyObject *args, PyObject *kw)
     self->mutex = (pthread_mutex_t *)(self->base + self->p[P_MUTEX_OFF]);
     self->c = (int64_t *)(self->base + self->p[P_COUNTERS_OFF]);
     self->created_at = created_at;
-    MAX_REFS(self) = refs_room(self);   /* until set_max_refs() says exactly */
+    /* the fused ops stay off until set_chunks() says what they need */
+    NCHUNKS(self) = 0;
+    ((HotX *)self)->gen_off = -1;
+    ((HotX *)self)->c_tokens = -1;
     return 0;
 }
 
-/* set_max_refs(n): the pool's record count (at most what fits the mapping). */
+/* set_chunks(nchunks, gen_off, c_tokens): the pool's chunk count (at most
+ * what fits the mapping), a block record's generation offset and the
+ * counter of the seed's token count. */
 static PyObject *
-Hot_set_max_refs(Hot *self, PyObject *arg)
+Hot_set_chunks(Hot *self, PyObject *args)
 {
-    Py_ssize_t n = PyLong_AsSsize_t(arg);
-    if (n == -1 && PyErr_Occurred())
+    Py_ssize_t n, gen_off, c_tokens;
+    if (!PyArg_ParseTuple(args, "nnn", &n, &gen_off, &c_tokens))
         return NULL;
     if (!hot_ready(self))
         return NULL;
-    if (n < 0 || n > refs_room(self)) {
-        PyErr_Format(PyExc_ValueError, "max_refs %zd does not fit the mapping (room for %zd)",
-                     n, refs_room(self));
+    if (n < 0 || n > chunks_room(self)) {
+        PyErr_Format(PyExc_ValueError, "%zd chunks do not fit the mapping (room for %zd)",
+                     n, chunks_room(self));
         return NULL;
     }
-    MAX_REFS(self) = n;
+    if (gen_off < 0 || gen_off + 4 > self->p[P_BLOCK_SIZE] || c_tokens < 0 || c_tokens >= 64) {
+        PyErr_SetString(PyExc_ValueError, "bad generation offset or token counter");
+        return NULL;
+    }
+    NCHUNKS(self) = n;
+    ((HotX *)self)->gen_off = gen_off;
+    ((HotX *)self)->c_tokens = c_tokens;
     Py_RETURN_NONE;
 }
 
@@ -143,16 +173,16 @@ Hot_release(Hot *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-/* Record, in the process-local map, that this slot now holds bs[i] through
- * record rs[i]; returns the list of block ids, or NULL (MemoryError). */
+/* Record, in the process-local map, that this slot now holds bs[i] at
+ * word rs[i]; returns the list of block ids, or NULL (MemoryError). */
 static PyObject *
-local_map_add(PyObject *loose, const int32_t *bs, const int32_t *rs, Py_ssize_t n)
+local_map_add(PyObject *loose, const int32_t *bs, const int64_t *rs, Py_ssize_t n)
 {
     PyObject *ids = PyList_New(n);
     if (!ids)
         return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *bo = PyLong_FromLong(bs[i]), *ro = PyLong_FromLong(rs[i]), *lst;
+        PyObject *bo = PyLong_FromLong(bs[i]), *ro = PyLong_FromLongLong(rs[i]), *lst;
         int err = -1;
         if (bo && ro) {
             lst = PyDict_GetItemWithError(loose, bo);
@@ -181,12 +211,13 @@ local_map_add(PyObject *loose, const int32_t *bs, const int32_t *rs, Py_ssize_t 
 
 /* alloc(n, slot, epoch, loose) -> list of n block ids, or None.
  * The first n free blocks must be uncached (otherwise None: the slow path
- * evicts their cache entries), and n reference records free.
+ * evicts their cache entries), and the chunks the slot's loose list grows
+ * by free (otherwise None: the slow path reports it).
  * NOTE: the shared update is pure C and cannot fail; the process-local map
  * is updated after the lock is released (only this thread can see it: we
  * hold the GIL, and the GC is off so that no finalizer runs in between).
  * Should that fail (MemoryError only), the caller rebuilds the map from
- * the slot's records, which are the truth. */
+ * the slot's list, which is the truth. */
 static PyObject *
 Hot_alloc(Hot *h, PyObject *args)
 {
@@ -194,21 +225,25 @@ Hot_alloc(Hot *h, PyObject *args)
     int slot, gc;
     long long epoch;
     PyObject *loose, *ids;
-    int32_t stack_b[64], stack_r[64], *bs = stack_b, *rs = stack_r;
+    int32_t stack_b[64], stack_c[8], *bs = stack_b, *cs = stack_c;
+    int64_t stack_g[64], *gs = stack_g;
 
     if (!PyArg_ParseTuple(args, "niLO!", &n, &slot, &epoch, &PyDict_Type, &loose))
         return NULL;
     if (!hot_ready(h))
         return NULL;
     /* (more than the pool has: the slow path raises, before any allocation) */
-    if (n <= 0 || n >= h->p[P_MAX_BLOCKS] || slot < 0 || slot >= h->p[P_MAX_SLOTS])
+    if (n <= 0 || n >= h->p[P_MAX_BLOCKS] || slot < 0 || slot >= h->p[P_MAX_SLOTS] ||
+        NCHUNKS(h) <= 0)
         Py_RETURN_NONE;
     if (n > 64) {
         bs = PyMem_Malloc(n * sizeof(int32_t));
-        rs = PyMem_Malloc(n * sizeof(int32_t));
-        if (!bs || !rs) {
+        gs = PyMem_Malloc(n * sizeof(int64_t));
+        cs = PyMem_Malloc((n / CI + 2) * sizeof(int32_t));
+        if (!bs || !gs || !cs) {
             PyMem_Free(bs);
-            PyMem_Free(rs);
+            PyMem_Free(gs);
+            PyMem_Free(cs);
             return PyErr_NoMemory();
         }
     }
@@ -217,56 +252,81 @@ Hot_alloc(Hot *h, PyObject *args)
     {
         const int32_t HEAD = (int32_t)h->p[P_MAX_BLOCKS];
         const uint16_t CACHED = (uint16_t)h->p[P_FLAG_CACHED];
-        int32_t b = NEXT(h, HEAD), r = (int32_t)C(h, P_C_FREE_REF), shead;
+        int32_t b = NEXT(h, HEAD), k = (int32_t)C(h, P_C_FREE_REF);
+        int32_t cnt = SF(h, slot, P_S_COUNT), head = SF(h, slot, P_S_HEAD);
+        Py_ssize_t need, ci = 0;
         struct timespec ts;
         float now;
-        if (C(h, P_C_NUM_FREE) < n || C(h, P_C_FREE_REFS) < n) {
+        if (cnt < 0 || cnt > NCHUNKS(h) * CI) {
+            leave(h, 0);
+            goto busy;
+        }
+        need = NCH_FOR(cnt + n) - NCH_FOR(cnt);
+        if (C(h, P_C_NUM_FREE) < n || C(h, P_C_FREE_REFS) < need ||
+            (cnt % CI && !IS_CHUNK(h, head))) {
             leave(h, 0);
             goto busy;
         }
         /* read-only walk first: nothing changes unless all of it works (and
          * every id read is in range: else the slow path meets the same one) */
         for (i = 0; i < n; i++) {
-            if (!IS_BLOCK(h, b) || (FLAGS(h, b) & CACHED) || !IS_REC(h, r)) {
+            if (!IS_BLOCK(h, b) || (FLAGS(h, b) & CACHED)) {
                 leave(h, 0);
                 goto busy;
             }
             bs[i] = b;
-            rs[i] = r;
             b = NEXT(h, b);
-            r = RNEXT(h, r);
         }
-        /* b, r: the first ones not taken, the new heads */
-        if (!(IS_BLOCK(h, b) || b == HEAD + 1) || !(IS_REC(h, r) || r == -1)) {
+        for (i = 0; i < need; i++) {
+            if (!IS_CHUNK(h, k) || W(h, (int64_t)k * CW + 1) != -1) {
+                leave(h, 0);
+                goto busy;
+            }
+            cs[i] = k;
+            k = W(h, (int64_t)k * CW);
+        }
+        /* b, k: the first ones not taken, the new heads */
+        if (!(IS_BLOCK(h, b) || b == HEAD + 1) || !(IS_CHUNK(h, k) || k == -1)) {
             leave(h, 0);
             goto busy;
         }
         clock_gettime(CLOCK_REALTIME, &ts);
         now = (float)((double)ts.tv_sec + ts.tv_nsec * 1e-9 - h->created_at);
         begin_update(h);
-        shead = SF(h, slot, P_S_HEAD);
         for (i = 0; i < n; i++) {
-            int32_t bb = bs[i], rr = rs[i];
+            int32_t bb = bs[i], off = cnt % CI;
+            int64_t g;
             PREV(h, bb) = -1;
             NEXT(h, bb) = -1;
             REF(h, bb) = 1;
             TOK(h, bb) = 0;
             LAST(h, bb) = now;
-            RBLOCK(h, rr) = bb;
-            RNEXT(h, rr) = shead;
-            shead = rr;
-            SF(h, slot, P_S_HEAD) = rr;     /* commit: the slot holds bb */
+            GEN(h, bb) += 1;
+            if (off == 0) {
+                int32_t c = cs[ci++];
+                W(h, (int64_t)c * CW) = cnt ? head : -1;
+                g = (int64_t)c * CW + 1;
+                W(h, g) = bb;
+                head = c;
+                SF(h, slot, P_S_HEAD) = c;
+            }
+            else {
+                g = (int64_t)head * CW + 1 + off;
+                W(h, g) = bb;
+            }
+            cnt++;
+            SF(h, slot, P_S_COUNT) = cnt;   /* commit: the slot holds bb */
+            gs[i] = g;
         }
-        NEXT(h, HEAD) = b;                  /* b, r: the first ones not taken */
+        NEXT(h, HEAD) = b;                  /* b, k: the first ones not taken */
         PREV(h, b) = HEAD;
-        C(h, P_C_FREE_REF) = r;
-        C(h, P_C_FREE_REFS) -= n;
+        C(h, P_C_FREE_REF) = k;
+        C(h, P_C_FREE_REFS) -= need;
         C(h, P_C_NUM_FREE) -= n;
-        SF(h, slot, P_S_COUNT) += (int32_t)n;
         leave(h, 1);
     }
     gc = PyGC_Disable();
-    ids = local_map_add(loose, bs, rs, n);
+    ids = local_map_add(loose, bs, gs, n);
     if (gc)
         PyGC_Enable();
     if (!ids) {
@@ -275,13 +335,15 @@ Hot_alloc(Hot *h, PyObject *args)
     }
     if (bs != stack_b) {
         PyMem_Free(bs);
-        PyMem_Free(rs);
+        PyMem_Free(gs);
+        PyMem_Free(cs);
     }
     return ids;
 busy:
     if (bs != stack_b) {
         PyMem_Free(bs);
-        PyMem_Free(rs);
+        PyMem_Free(gs);
+        PyMem_Free(cs);
     }
     Py_RETURN_NONE;
 }
@@ -311,7 +373,7 @@ Hot_free(Hot *h, PyObject *args)
         return NULL;
     if (!hot_ready(h))
         return NULL;
-    if (slot < 0 || slot >= h->p[P_MAX_SLOTS])
+    if (slot < 0 || slot >= h->p[P_MAX_SLOTS] || NCHUNKS(h) <= 0)
         Py_RETURN_NONE;
     fast = PySequence_Fast(seq, "ids must be a sequence");
     if (!fast)
@@ -377,46 +439,58 @@ Hot_free(Hot *h, PyObject *args)
     {
         const int32_t HEAD = (int32_t)h->p[P_MAX_BLOCKS], TAIL = HEAD + 1;
         const uint16_t CACHED = (uint16_t)h->p[P_FLAG_CACHED];
-        int32_t fr = (int32_t)C(h, P_C_FREE_REF);
+        const int64_t NW = (int64_t)NCHUNKS(h) * CW;
+        const Py_ssize_t CT = ((HotX *)h)->c_tokens;
         int corrupt = 0, nomem = 0;
         begin_update(h);
         for (i = 0; i < n; i++) {
-            int32_t b = bs[i], hd = SF(h, slot, P_S_HEAD), hb = 0, x, nb;
-            PyObject *bo = PySequence_Fast_GET_ITEM(fast, i), *recs, *ro, *lst = NULL;
+            int32_t b = bs[i], hd = SF(h, slot, P_S_HEAD), cnt = SF(h, slot, P_S_COUNT);
+            int32_t bl = 0, x, nb, nh = -1;
+            int64_t last;
+            PyObject *bo = PySequence_Fast_GET_ITEM(fast, i), *recs, *go, *lst = NULL;
             Py_ssize_t k, m, q = 0;
-            long r;
-            int cached = (FLAGS(h, b) & CACHED) != 0;
+            long g;
+            int cached = (FLAGS(h, b) & CACHED) != 0, empty;
             /* checks first: every index read from shared memory in range,
              * and the map agreeing with the slot's list; then the change */
             recs = PyDict_GetItem(loose, bo);   /* held: checked above */
             k = PyList_GET_SIZE(recs);
-            ro = PyList_GET_ITEM(recs, k - 1);
-            r = PyLong_AsLong(ro);
-            if (!IS_REC(h, hd) || !IS_REC(h, r)) {
+            go = PyList_GET_ITEM(recs, k - 1);
+            g = PyLong_AsLong(go);
+            if (cnt < 1 || !IS_CHUNK(h, hd) || g < 0 || g >= NW || g % CW == 0 || W(h, g) != b) {
                 PyErr_Clear();
                 corrupt = 1;
                 break;
             }
-            if (r != hd) {
-                PyObject *hbo;
-                hb = RBLOCK(h, hd);
-                hbo = PyLong_FromLong(hb);
-                if (!hbo) {
+            last = (int64_t)hd * CW + 1 + (cnt - 1) % CI;
+            if (g != last) {
+                PyObject *blo;
+                bl = W(h, last);
+                blo = PyLong_FromLong(bl);
+                if (!blo) {
                     nomem = 1;
                     break;
                 }
-                lst = PyDict_GetItem(loose, hbo);
-                Py_DECREF(hbo);
+                lst = PyDict_GetItem(loose, blo);
+                Py_DECREF(blo);
                 if (!lst || !PyList_CheckExact(lst)) {
                     corrupt = 1;
                     break;
                 }
                 m = lst == recs ? k - 1 : PyList_GET_SIZE(lst);
                 for (q = 0; q < m; q++)
-                    if (PyLong_AsLong(PyList_GET_ITEM(lst, q)) == hd)
+                    if (PyLong_AsLong(PyList_GET_ITEM(lst, q)) == last)
                         break;
                 PyErr_Clear();      /* (the map holds ints: never set) */
                 if (q == m) {
+                    corrupt = 1;
+                    break;
+                }
+            }
+            empty = (cnt - 1) % CI == 0;
+            if (empty) {
+                nh = W(h, (int64_t)hd * CW);
+                if (cnt == 1 ? nh != -1 : !IS_CHUNK(h, nh)) {
                     corrupt = 1;
                     break;
                 }
@@ -430,26 +504,31 @@ Hot_free(Hot *h, PyObject *args)
                 }
             }
             /* recs.pop(); if not recs: del loose[b]  (no allocation) */
-            Py_SET_SIZE(recs, k - 1);           /* we own ro now */
-            if (r != hd) {
-                /* move the head's block into r, then pop the head: O(1)
-                 * removal from a singly linked list */
+            Py_SET_SIZE(recs, k - 1);           /* we own go now */
+            if (g != last) {
+                /* move the newest id into g, then drop the newest: O(1)
+                 * removal (g's int object now names the moved id's word) */
                 PyObject *old = PyList_GET_ITEM(lst, q);
-                RBLOCK(h, r) = hb;
-                PyList_SET_ITEM(lst, q, ro);    /* steals ro */
+                W(h, g) = bl;
+                PyList_SET_ITEM(lst, q, go);    /* steals go */
                 Py_DECREF(old);
             }
             else
-                Py_DECREF(ro);
+                Py_DECREF(go);
             if (k == 1)
                 PyDict_DelItem(loose, bo);
-            SF(h, slot, P_S_HEAD) = RNEXT(h, hd);   /* commit: b's reference is gone */
-            RBLOCK(h, hd) = -1;
-            RNEXT(h, hd) = fr;
-            fr = hd;
+            SF(h, slot, P_S_COUNT) = cnt - 1;   /* commit: b's reference is gone */
+            if (empty) {                        /* the first chunk is empty: free it */
+                SF(h, slot, P_S_HEAD) = nh;
+                W(h, (int64_t)hd * CW + 1) = -1;
+                W(h, (int64_t)hd * CW) = (int32_t)C(h, P_C_FREE_REF);
+                C(h, P_C_FREE_REF) = hd;
+                C(h, P_C_FREE_REFS) += 1;
+            }
             REF(h, b) = x;
             if (x == 0) {
                 freed++;
+                h->c[CT] -= TOK(h, b);          /* as the seed's free_block */
                 if (cached) {                   /* to the back: evicted last */
                     int32_t lb = PREV(h, TAIL);
                     NEXT(h, lb) = b;
@@ -466,11 +545,7 @@ Hot_free(Hot *h, PyObject *args)
                 }
             }
         }
-        /* i references dropped (all n, unless stopped) */
-        C(h, P_C_FREE_REF) = fr;
-        C(h, P_C_FREE_REFS) += i;
         C(h, P_C_NUM_FREE) += freed;
-        SF(h, slot, P_S_COUNT) -= (int32_t)i;
         if (corrupt) {
             /* left dirty: the slow path repairs, then does or refuses the rest */
             leave(h, 0);
@@ -500,7 +575,8 @@ done:
 
 static PyMethodDef Hot_methods[] = {
     {"release", (PyCFunction)Hot_release, METH_NOARGS, "Release the buffer (before unmapping)."},
-    {"set_max_refs", (PyCFunction)Hot_set_max_refs, METH_O, "set_max_refs(n): the pool's reference-record count."},
+    {"set_chunks", (PyCFunction)Hot_set_chunks, METH_VARARGS,
+     "set_chunks(nchunks, gen_off, c_tokens): what the fused ops need beyond the parameters."},
     {"init_mutex", (PyCFunction)Hot_init_mutex, METH_NOARGS, "Initialise the robust mutex (creator only)."},
     {"trylock", (PyCFunction)Hot_trylock, METH_NOARGS, "0 locked, 1 locked after the holder died, -1 busy."},
     {"lock", (PyCFunction)Hot_lock, METH_NOARGS, "Wait for the lock (GIL released); 1 if the holder died."},

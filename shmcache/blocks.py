@@ -233,3 +233,32 @@ class CacheStats:
     cache_misses: int = 0
     cow_copies: int = 0
     evictions: int = 0
+
+
+@dataclass
+class PoolStats(CacheStats):
+    """What ``get_stats`` returns for a pool: the seed's ``CacheStats``, and
+    the pool's capacities beside them.
+
+    ``refs_held`` of ``max_refs``: the block references the tables and the
+    managers' loose lists hold, and how many they can hold (however they
+    are spread: a reference costs 4 bytes, so forks and shared prefixes
+    cost next to nothing); ``block_tables`` of ``max_tables``;
+    ``attached`` managers of ``max_slots``; ``cached_blocks``: blocks in
+    the prefix cache (referenced or not); ``tokens_held``: the token counts
+    of the referenced blocks, each block once (``total_tokens_cached`` is
+    the seed's running count: tokens added to tables, less the tokens of
+    each block that goes back to the free queue, so a block added to two
+    tables counts twice)."""
+
+    tokens_held: int = 0
+    cached_blocks: int = 0
+    refs_held: int = 0
+    max_refs: int = 0
+    block_tables: int = 0
+    max_tables: int = 0
+    attached: int = 0
+    max_slots: int = 0
+
+    CAPACITY = ("tokens_held", "cached_blocks", "refs_held", "max_refs", "block_tables",
+                "max_tables", "attached", "max_slots")

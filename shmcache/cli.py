@@ -98,6 +98,10 @@ def _size(name: str) -> int:
 
 
 # ---------------------------------------------------------------- inspect
+def _pct(a: int, b: int) -> str:
+    return f"{100 * a / b:.1f}%" if b else "-"
+
+
 def render(d: dict) -> str:
     lay = d["layout"]
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d["created_at"]))
@@ -114,7 +118,10 @@ def render(d: dict) -> str:
         f"usage     {usage_bar(d['usage'])}",
         f"blocks    allocated {d['allocated_blocks']}, free {d['free_blocks']}, "
         f"shared {d['shared_blocks']}, cached {d['cached_blocks']}, "
-        f"tokens cached {d['total_tokens_cached']}",
+        f"tokens held {d['tokens_held']} (seed's count {d['total_tokens_cached']})",
+        f"capacity  references {d['refs_held']}/{d['max_refs']} "
+        f"({_pct(d['refs_held'], d['max_refs'])}), block tables "
+        f"{d['block_tables']}/{d['max_tables']}, attached {d['attached']}/{d['max_slots']}",
         f"cache     hits {d['cache_hits']}, misses {d['cache_misses']}, prefix hit rate "
         f"{100 * d['prefix_hit_rate']:.1f}%, cow copies {d['cow_copies']}, "
         f"evictions {d['evictions']}",
@@ -216,7 +223,7 @@ def cmd_fsck(args) -> int:
         for line in problems:
             print(f"{args.name}: found: {line}")
         before = recovery.scan_stats(p)
-        refs_before = int(p.c[L.C_FREE_REFS])
+        chunks_before = int(p.c[L.C_FREE_REFS])
         with p.lock:
             if problems:
                 recovery.repair(mgr)
@@ -227,8 +234,9 @@ def cmd_fsck(args) -> int:
         print(f"{args.name}: repair: {'rebuilt derived state; ' if problems else ''}"
               f"released {released} references of {len(dead)} dead holder(s); "
               f"free blocks {before['free_blocks']} -> {after['free_blocks']}, allocated "
-              f"{before['allocated_blocks']} -> {after['allocated_blocks']}, free reference "
-              f"records {refs_before} -> {int(p.c[L.C_FREE_REFS])}")
+              f"{before['allocated_blocks']} -> {after['allocated_blocks']}, references "
+              f"held {before['refs_held']} -> {after['refs_held']} of {after['max_refs']}, "
+              f"free reference chunks {chunks_before} -> {int(p.c[L.C_FREE_REFS])}")
         left = mgr.check()
         for line in left:
             print(f"{args.name}: still: {line}")

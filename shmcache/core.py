@@ -13,7 +13,7 @@ import numpy as np
 
 from . import layout as L
 from . import recovery
-from .blocks import (BlockHash, CacheBlock, CacheStats, chain_hash,
+from .blocks import (BlockHash, CacheBlock, PoolStats, chain_hash,
                      extra_bytes, token_bytes)
 from .errors import CapacityError, CorruptPoolError, PoolClosedError
 from .freelist import SharedFreeQueue
@@ -75,7 +75,7 @@ def _close(p: Pool, refs: RefStore, destroy: bool, finalizing: bool = False) -> 
             try:
                 _release_slot_holdings(p, refs, p.slot)
             except CorruptPoolError:
-                # Pool.corrupt has rebuilt the lists from the records:
+                # Pool.corrupt has rebuilt the derived state from the lists:
                 # release what they now hold.
                 _release_slot_holdings(p, refs, p.slot)
             p.release_slot()
@@ -105,6 +105,7 @@ def _release_block(p: Pool, fq: SharedFreeQueue, b: int) -> None:
         raise p.corrupt(f"block {b} is referenced but its ref_count is {r + 1}")
     p.b_ref[b] = r
     if r == 0:
+        p.c[L.C_TOKENS] -= p.b_tok[b]       # as the seed's free_block
         if p.b_flags[b] & L.FLAG_CACHED:
             fq.append_id(b)
         else:
@@ -226,6 +227,8 @@ class PoolOps:
                 self._cache(b, bytes(h))
 
     def _set_ref_count(self, b: int, v) -> None:
+        if type(v) is int and v == self._p.b_ref[b]:
+            return          # (the seed's own allocation sets it to what it is)
         raise AttributeError(
             "ref_count of a shared block follows the references held; use "
             "touch/increment_ref/free_block (block %d)" % b)
@@ -235,22 +238,53 @@ class PoolOps:
             raise ValueError(f"token_count must be an int in [0, {self.block_size}], got {v!r}")
         self._p.b_tok[b] = v
 
+    # cache_data: the seed's per-block Python object (its KV tensors, in any
+    # form its caller chose). It lives in this manager, for this process
+    # (another process has its own objects; the pool's payload is what
+    # write_kv/read_kv share), keyed by block and the block's generation:
+    # once the block is taken for reuse by any process, the object is gone.
     def _block_payload(self, b: int):
-        if self._p.arena is None:
+        e = self._cdata.get(b)
+        if e is None:
             return None
-        return [self.read_kv([b], layer) for layer in range(self._p.layout.num_layers)]
+        if e[0] != self._p.b_gen[b]:
+            self._cdata.pop(b, None)
+            return None
+        return e[1]
 
     def _set_block_payload(self, b: int, data) -> None:
-        for layer, (k, v) in enumerate(data):
-            self.write_kv(b, layer, k, v)
+        cd = self._cdata
+        if data is None:
+            cd.pop(b, None)
+            return
+        cd[b] = (self._p.b_gen[b], data)
+        if len(cd) > self._cdata_prune:
+            gen = self._p.b_gen
+            for k in [k for k, e in cd.items() if e[0] != gen[k]]:
+                del cd[k]
+            self._cdata_prune = max(64, 2 * len(cd))
 
-    def _scan_stats(self) -> CacheStats:
+    def _drop_payloads(self, blocks=None) -> None:
+        if blocks is None:
+            self._cdata.clear()
+        else:
+            for b in blocks:
+                self._cdata.pop(b, None)
+
+    def _copy_payload(self, old: int, new: int) -> None:
+        # copy-on-write: the copy has the source's object, as in the seed
+        data = self._block_payload(old)
+        if data is not None:
+            self._cdata[new] = (self._p.b_gen[new], data)
+
+    def _scan_stats(self) -> PoolStats:
         with self._p.lock:
             s = recovery.scan_stats(self._p)
             c = self._p.c
-            return CacheStats(s["total_blocks"], s["allocated_blocks"], s["free_blocks"],
-                              s["shared_blocks"], s["total_tokens_cached"], c[L.C_HITS],
-                              c[L.C_MISSES], c[L.C_COW], c[L.C_EVICTIONS])
+            return PoolStats(s["total_blocks"], s["allocated_blocks"], s["free_blocks"],
+                             s["shared_blocks"], s["total_tokens_cached"], c[L.C_HITS],
+                             c[L.C_MISSES], c[L.C_COW], c[L.C_EVICTIONS],
+                             **{k: s[k] for k in PoolStats.CAPACITY})
 
     def _pop_free(self) -> int:
         p = self._p
@@ -261,6 +295,7 @@ class PoolOps:
         p.b_ref[b] = 1
         p.b_tok[b] = 0
         p.b_last[b] = p.now()
+        p.b_gen[b] = (p.b_gen[b] + 1) & 0xFFFFFFFF     # a new life: old cache_data is void
         return b
 
     def _ensure_free(self, n: int) -> bool:
@@ -327,9 +362,9 @@ class PoolOps:
     def _checked_table(self, t: int) -> int:
         # the fields every table operation indexes with, checked once here
         p = self._p
-        nrefs = p.layout.max_refs
-        if not (-1 <= p.t_head[t] < nrefs and -1 <= p.t_tail[t] < nrefs
-                and 0 <= p.t_len[t] <= nrefs and p.t_tok[t] >= 0):
+        nch = p.layout.num_chunks
+        if not (-1 <= p.t_head[t] < nch and -1 <= p.t_tail[t] < nch
+                and 0 <= p.t_len[t] <= nch * L.CHUNK_IDS and p.t_tok[t] >= 0):
             raise p.corrupt(f"table {t}: head {p.t_head[t]}, tail {p.t_tail[t]}, length "
                             f"{p.t_len[t]}, tokens {p.t_tok[t]} do not describe a list")
         return t
@@ -380,10 +415,10 @@ class PoolOps:
         a loose one, or one in a table it owns.
 
         Tables are looked at through ``_tcache`` (table -> (rid hash, (head,
-        tail, length) when read, {block: record})): a table's map is re-read
-        when its list changed, and a record found is re-checked. A block
+        tail, length) when read, {block: word})): a table's map is re-read
+        when its list changed, and a word found is re-checked. A block
         found in no map is looked for once more in maps all read afresh (a
-        copy-on-write rewrites a record in place).
+        copy-on-write rewrites an id in place).
         """
         if self._refs.loose.get(b):
             return True
@@ -415,14 +450,17 @@ class PoolOps:
             if read == 2 or cur != key:
                 if not read:
                     continue
-                recs = {p.r_block[r]: r for r in self._refs.table_records(t)}
+                words = self._refs.table_words(t)
+                kw = p.kw
+                recs = {kw[g]: g for g in words}
                 cache[t] = (h, cur, recs)
-            r = recs.get(b)
-            if r is not None and p.r_block[r] == b:
+            g = recs.get(b)
+            if g is not None and p.kw[g] == b:
                 return True
         return False
 
-    def _table_add(self, table, block, tokens_in_block: int, set_block_tokens=True) -> None:
+    def _table_add(self, table, block, tokens_in_block: int, set_block_tokens=True,
+                   count_tokens=False) -> None:
         with self._p.lock:
             self._sync()
             t = self._table_index(table)
@@ -431,16 +469,102 @@ class PoolOps:
                     or not 0 <= tokens_in_block <= self.block_size:
                 raise ValueError(f"tokens_in_block must be an int in [0, {self.block_size}], "
                                  f"got {tokens_in_block!r}")
-            if not self._refs.holds_loose(b):
-                raise ValueError(f"block {b} is not held by this manager outside a table: "
-                                 "allocate, acquire or touch it before adding it to a table")
-            self._refs.need(1)
-            self._refs.table_append(t, b)
-            self._refs.drop_loose(b)
+            self._table_put(t, [b])
             p = self._p
             if set_block_tokens:
                 p.b_tok[b] = tokens_in_block
             p.t_tok[t] += tokens_in_block
+            if count_tokens:
+                p.c[L.C_TOKENS] += tokens_in_block      # as the seed's add_block_to_table
+
+    def _table_edit(self, table, op):
+        """Apply ``op`` (a list mutation) to the table's block ids, moving
+        references as ``views.TableBlockIds`` says; returns (the table's ids
+        now, what ``op`` returned). Nothing changes when ``op`` raises, an id
+        is bad, or the references do not fit."""
+        with self._p.lock:
+            self._sync()
+            p, refs = self._p, self._refs
+            t = self._table_index(table)
+            cur = refs.table_blocks(t)
+            new = list(cur)
+            result = op(new)
+            if new == cur:                  # (the common case: a caller's copy kept in step)
+                return cur, result
+            new = self._bids(new)
+            if 0 in new:
+                raise ValueError("the null block (block 0) cannot be put in a block table")
+            have: dict = {}
+            for b in cur:
+                have[b] = have.get(b, 0) + 1
+            added: list = []
+            for b in new:
+                if have.get(b, 0):
+                    have[b] -= 1
+                else:
+                    added.append(b)
+            removed = [b for b, k in have.items() for _ in range(k)]
+            avail = {b: len(refs.loose.get(b, ())) for b in added}
+            fresh = 0
+            for b in added:
+                if avail[b]:
+                    avail[b] -= 1
+                else:
+                    fresh += 1
+            refs.need_chunks(refs.table_chunks_needed(t, max(0, len(new) - len(cur)))
+                             + refs.loose_chunks_needed(fresh + len(removed)))
+            avail = {b: len(refs.loose.get(b, ())) for b in added}
+            for b in added:
+                if avail[b]:
+                    avail[b] -= 1
+                else:
+                    self._take_ref(b)
+            # write: ids in place where both have a position, then grow or cut
+            # (NOTE: each write is its own commit; a holder dying midway
+            # leaves the table part changed, every reference still counted)
+            k = min(len(cur), len(new))
+            diff = [i for i in range(k) if cur[i] != new[i]]
+            if diff:
+                words = refs.table_words(t)
+                for i in diff:
+                    p.kw[words[i]] = new[i]
+            if len(new) > len(cur):
+                refs.table_extend(t, new[len(cur):])
+            elif len(new) < len(cur):
+                refs.table_truncate(t, len(new))
+            for b in added:
+                refs.drop_loose(b)
+            for b in removed:
+                refs.add_loose(b)
+            return new, result
+
+    def _table_put(self, t: int, ids: list) -> None:
+        """Append block ids to table ``t``, each id one reference: one this
+        manager holds outside its tables moves into the table, or, where it
+        holds none, a new one is taken (as ``touch`` takes one).
+
+        Raises:
+            ValueError: the null block. CapacityError: no room for the
+                references (nothing changed).
+        """
+        if 0 in ids:
+            raise ValueError("the null block (block 0) cannot be put in a block table")
+        refs = self._refs
+        moved: dict = {}
+        for b in ids:
+            moved[b] = moved.get(b, 0) + 1
+        avail = {b: len(refs.loose.get(b, ())) for b in moved}
+        fresh = sum(max(0, k - avail[b]) for b, k in moved.items())
+        # (fresh references pass through this slot's loose list)
+        refs.need_chunks(refs.table_chunks_needed(t, len(ids)) + refs.loose_chunks_needed(fresh))
+        for b in ids:
+            if avail[b] > 0:
+                avail[b] -= 1
+            else:
+                self._take_ref(b)
+        refs.table_extend(t, ids)
+        for b in ids:
+            refs.drop_loose(b)
 
     def _reclaim_locked(self) -> int:
         return reclaim_dead_slots(self._p, self._refs)

@@ -21,7 +21,8 @@ class CorruptPoolError(IncompatiblePoolError):
     """The segment's contents contradict themselves: a header whose sizes and
     offsets do not fit the file, or a shared index, link or list that points
     outside its structure. Found under the lock, the pool is left marked dirty,
-    so its next lock holder rebuilds the derived state from the records."""
+    so its next lock holder rebuilds the derived state from the reference
+    lists."""
 
 
 class UnsafePoolError(ShmCacheError, PermissionError):
@@ -34,11 +35,15 @@ class InsufficientSharedMemoryError(ShmCacheError, MemoryError):
 
 
 class OutOfBlocksError(ShmCacheError, ValueError):
-    """Not enough free blocks (a ValueError, as the seed's ``get_new_blocks`` raises)."""
+    """Not enough free blocks, or room for references (a ValueError, as the
+    seed's ``get_new_blocks`` raises)."""
 
 
-class CapacityError(ShmCacheError):
-    """A fixed-size shared table (slots, tables, reference records) is full."""
+class CapacityError(OutOfBlocksError):
+    """A fixed-size shared area is full: attached slots, block tables, or the
+    references tables and managers hold (``max_refs``). An
+    ``OutOfBlocksError`` (so a ``ValueError``), as running out of anything
+    is reported the way the seed reports running out of blocks."""
 
 
 class PoolClosedError(ShmCacheError):

@@ -29,8 +29,9 @@ from .lock import ofd_held_by_other
 from .mutex import MUTEX_MAP_SIZE, open_mutex
 
 STAT_KEYS = ("allocated_blocks", "free_blocks", "shared_blocks", "cached_blocks",
-             "total_tokens_cached", "cache_hits", "cache_misses", "prefix_hit_rate",
-             "cow_copies", "evictions")
+             "total_tokens_cached", "tokens_held", "cache_hits", "cache_misses",
+             "prefix_hit_rate", "cow_copies", "evictions", "refs_held", "max_refs",
+             "block_tables", "max_tables", "attached", "max_slots")
 
 
 def process_alive(pid: int, start_time: float) -> bool:
@@ -179,7 +180,7 @@ class PoolView:
             d.update(block_tables=int(c[L.C_NUM_TABLES]), ops=int(c[L.C_OPS]),
                      recoveries=int(c[L.C_RECOVERIES]), reclaimed_refs=int(c[L.C_RECLAIMED]),
                      max_lock_wait_s=int(c[L.C_LOCK_WAIT_NS]) / 1e9,
-                     dirty=bool(c[L.C_DIRTY]), free_ref_records=int(c[L.C_FREE_REFS]))
+                     dirty=bool(c[L.C_DIRTY]), free_ref_chunks=int(c[L.C_FREE_REFS]))
             d["layout"] = {k: getattr(lay, k) for k in lay.__dataclass_fields__}
             d["layout"]["block_bytes"] = block_bytes(lay)
             d["holders"] = self.holdings()

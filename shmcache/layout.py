@@ -11,15 +11,19 @@ integers are little-endian; every section starts on a 64-byte boundary.
     4096              COUNTERS_SIZE (512)       counters: int64[64], see C_*
     4608              max_slots * 64            slots: SLOT_DTYPE, one per
                                                 attached manager
-    slots_off+...     (max_blocks + 2) * 36     blocks: BLOCK_DTYPE; records
+    slots_off+...     (max_blocks + 2) * 40     blocks: BLOCK_DTYPE; records
                                                 max_blocks and max_blocks + 1
                                                 are the free list's head and
                                                 tail sentinels
     hash_off          hash_capacity * 4         prefix index: int32 block_id
                                                 per slot, -1 empty (linear
                                                 probing, power-of-2 capacity)
-    refs_off          max_refs * 8              references: REF_DTYPE; one
-                                                record per reference held
+    refs_off          num_chunks * 64           reference chunks: CHUNK_DTYPE,
+                                                each a link (int32 chunk id, -1
+                                                none) and CHUNK_IDS int32 block
+                                                ids; every block table and every
+                                                slot's loose references is a
+                                                chain of them (see ``refs``)
     tables_off        max_tables * 96           block tables: TABLE_DTYPE
     tindex_off        table_capacity * 4        request-id index: int32 table
                                                 index per slot, -1 empty
@@ -52,6 +56,13 @@ made with O_TMPFILE) until the header is ready, so an attacher that finds a
 header not ready waits while that byte is held and knows the creator died
 when it is not.
 
+Capacity: ``max_refs`` is how many block references the tables and loose
+lists can hold together, however they are spread over them: there are
+``ceil(max_refs / CHUNK_IDS) + max_tables + max_slots`` chunks
+(:func:`num_chunks`), so every list's partly filled last chunk is paid for.
+A reference costs 4 bytes (plus its share of a chunk's link); the pool
+default is ``2 * max_blocks + max_tables * min(256, max_blocks)``.
+
 The header record ends with ``checksum``: blake2b-128 of the record with
 ``ready`` and ``checksum`` zeroed, written before ``ready``. ``attach``
 refuses a header whose checksum, sizes or offsets do not agree with each
@@ -70,7 +81,7 @@ import numpy as np
 from .errors import CorruptPoolError
 
 MAGIC = b"SHMCACH1"
-LAYOUT_VERSION = 5
+LAYOUT_VERSION = 6
 HEADER_SIZE = 4096
 COUNTERS_SIZE = 512
 MUTEX_OFF = 1024             # inside the header, past HEADER_DTYPE
@@ -80,7 +91,7 @@ MAX_SLOTS_LIMIT = 1024        # liveness bytes must fit in the header
 INIT_LOCK_OFF = LIVENESS_OFF + MAX_SLOTS_LIMIT   # held by the creator until ready
 MAX_BLOCKS_LIMIT = 2**31 - 3  # block ids, HEAD and TAIL are int32
 MAX_TABLES_LIMIT = 2**24
-MAX_REFS_LIMIT = 2**31 - 1    # record ids are int32, -1 is "none"
+MAX_REFS_LIMIT = 2**31 - 1    # chunk ids are int32, -1 is "none"
 RID_BYTES = 64
 DTYPES = {"float16": 1, "bfloat16": 2, "float32": 3}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -113,7 +124,7 @@ HEADER_DTYPE = np.dtype([
 # Counter slots (int64). Derived ones are rebuilt by recovery.
 C_DIRTY = 0            # 1 while a holder of the lock is mutating
 C_NUM_FREE = 1         # blocks in the free list
-C_FREE_REF = 2         # head of the unused reference-record list, -1 if none
+C_FREE_REF = 2         # head of the free chunk list, -1 if none
 C_HITS = 3
 C_MISSES = 4
 C_COW = 5
@@ -123,9 +134,13 @@ C_RECLAIMED = 8        # references released from dead holders, all time
 C_LOCK_WAIT_NS = 9     # longest wait for the pool lock seen
 C_NUM_TABLES = 10
 C_OPS = 11             # lock holds that ended cleanly
-C_FREE_REFS = 12       # unused reference records
-C_EPOCH = 13           # bumped when records move under live managers (repair, clear)
+C_FREE_REFS = 12       # free chunks
+C_EPOCH = 13           # bumped when lists move under live managers (repair, clear)
 C_HOLDER = 14          # slot of the lock's holder (-1: none, or not attached yet)
+C_TOKENS = 15          # the seed's total_tokens_cached: tokens added by
+                       # add_block_to_table, less a block's token_count when
+                       # it goes back to the free queue (a running count)
+C_FREE_CHUNK, C_FREE_CHUNKS = C_FREE_REF, C_FREE_REFS
 NUM_COUNTERS = 64
 
 SLOT_DTYPE = np.dtype([
@@ -133,8 +148,8 @@ SLOT_DTYPE = np.dtype([
     ("start_time", "<f8"),
     ("attached_at", "<f8"),
     ("state", "<i4"),       # 0 free, 1 active
-    ("loose_head", "<i4"),  # head of this slot's loose-reference list
-    ("loose_count", "<i4"),
+    ("loose_head", "<i4"),  # first chunk of this slot's loose references (-1: none)
+    ("loose_count", "<i4"), # loose references held
     ("_pad", "V28"),
 ])
 
@@ -146,29 +161,33 @@ BLOCK_DTYPE = np.dtype([
     ("token_count", "<u2"),
     ("last_access", "<f4"),   # seconds since the pool's created_at
     ("hash", "V16"),          # chain hash, valid when FLAG_CACHED
+    ("gen", "<u4"),           # bumped each time the block is taken for reuse
 ])
 BLOCK_HASH_OFF = 20           # byte offset of "hash" inside a record
 HASH_BYTES = 16
 FLAG_NULL = 1
 FLAG_CACHED = 2
 
-REF_DTYPE = np.dtype([
-    ("block_id", "<i4"),   # -1 when the record is unused
-    ("next", "<i4"),
+CHUNK_IDS = 15                # block ids per chunk
+CHUNK_WORDS = CHUNK_IDS + 1   # int32 words per chunk: the link, then the ids
+CHUNK_DTYPE = np.dtype([
+    ("next", "<i4"),                         # next chunk of the list (or of the free list)
+    ("block_id", "<i4", (CHUNK_IDS,)),       # block ids; [0] is -1 in a free chunk
 ])
+REF_DTYPE = CHUNK_DTYPE       # (``mutex.hot_params`` reads its field offsets)
 
 TABLE_DTYPE = np.dtype([
     ("request_id", f"S{RID_BYTES}"),
     ("rid_hash", "<u8"),
     ("state", "<i4"),      # 0 free, 1 live (written last on create)
     ("owner", "<i4"),      # slot that owns (and on death releases) it
-    ("head", "<i4"),
-    ("tail", "<i4"),
-    ("length", "<i4"),
+    ("head", "<i4"),       # first chunk (-1: empty)
+    ("tail", "<i4"),       # last chunk, partly filled (-1: empty)
+    ("length", "<i4"),     # block ids in the table (its commit point)
     ("num_tokens", "<i4"),
 ])
 
-for _dt, _size in ((SLOT_DTYPE, 64), (BLOCK_DTYPE, 36), (REF_DTYPE, 8), (TABLE_DTYPE, 96)):
+for _dt, _size in ((SLOT_DTYPE, 64), (BLOCK_DTYPE, 40), (CHUNK_DTYPE, 64), (TABLE_DTYPE, 96)):
     assert _dt.itemsize == _size, (_dt, _dt.itemsize)
 assert HEADER_DTYPE.itemsize <= MUTEX_OFF and MUTEX_OFF + MUTEX_BYTES <= LIVENESS_OFF
 assert INIT_LOCK_OFF < HEADER_SIZE
@@ -176,6 +195,19 @@ assert INIT_LOCK_OFF < HEADER_SIZE
 
 def _align(n: int, a: int = 64) -> int:
     return (n + a - 1) // a * a
+
+
+def num_chunks(max_refs: int, max_tables: int, max_slots: int) -> int:
+    """Chunks of a pool: enough for ``max_refs`` references in any spread
+    over ``max_tables`` tables and ``max_slots`` loose lists."""
+    return -(-max_refs // CHUNK_IDS) + max_tables + max_slots
+
+
+def default_max_refs(max_blocks: int, max_tables: int) -> int:
+    """References a pool holds by default: every block twice, and 256
+    blocks (4,096 tokens of 16) per table on top (but no more per table
+    than the pool has blocks)."""
+    return min(MAX_REFS_LIMIT, 2 * max_blocks + max_tables * min(256, max_blocks))
 
 
 def _pow2_at_least(n: int) -> int:
@@ -197,6 +229,7 @@ class Layout:
     max_slots: int
     max_tables: int
     max_refs: int
+    num_chunks: int
     hash_capacity: int
     table_capacity: int
     counters_off: int
@@ -231,7 +264,8 @@ def compute_layout(block_size: int, max_blocks: int, enable_caching: bool,
     blocks_off = _align(slots_off + max_slots * SLOT_DTYPE.itemsize)
     hash_off = _align(blocks_off + (max_blocks + 2) * BLOCK_DTYPE.itemsize)
     refs_off = _align(hash_off + hash_capacity * 4)
-    tables_off = _align(refs_off + max_refs * REF_DTYPE.itemsize)
+    chunks = num_chunks(max_refs, max_tables, max_slots)
+    tables_off = _align(refs_off + chunks * CHUNK_DTYPE.itemsize)
     tindex_off = _align(tables_off + max_tables * TABLE_DTYPE.itemsize)
     arena_off = _align(tindex_off + table_capacity * 4, 4096)
     arena_size = (num_layers * 2 * num_kv_heads * max_blocks * block_size
@@ -239,7 +273,7 @@ def compute_layout(block_size: int, max_blocks: int, enable_caching: bool,
     total = _align(arena_off + arena_size, 4096)
     return Layout(block_size, max_blocks, bool(enable_caching), num_layers,
                   num_kv_heads, head_dim, dtype, max_slots, max_tables,
-                  max_refs, hash_capacity, table_capacity, counters_off,
+                  max_refs, chunks, hash_capacity, table_capacity, counters_off,
                   slots_off, blocks_off, hash_off, refs_off, tables_off,
                   tindex_off, arena_off, arena_size, total)
 

@@ -98,7 +98,7 @@ class PoolSequence:
         self.stored = table.num_tokens
         self.reserved = 0
         self.published = table.num_tokens // mgr.block_size
-        self.ids: list = table.block_ids   # the table's block ids, kept in step with it
+        self.ids: list = list(table.block_ids)   # a private copy, kept in step with the table
         self._staged: list = []        # (layer, keys (H, T, D), values (H, T, D))
 
     def reserve(self, n: int) -> None:
@@ -144,6 +144,20 @@ class PoolSequence:
             self.published = full
         return self.published
 
+    def trim(self, n: int) -> int:
+        """Drop the last ``n`` stored tokens (and any reservation) from the
+        table, releasing blocks left empty; returns how many were dropped."""
+        self.commit()
+        n = min(n, self.stored)
+        if n or self.reserved:
+            self.mgr.trim_table(self.table, n + self.reserved)
+            self.stored -= n
+            self.reserved = 0
+            bs = self.mgr.block_size
+            del self.ids[-(-self.stored // bs):]
+            self.published = min(self.published, self.stored // bs)
+        return n
+
     def release(self) -> None:
         """Commit nothing more; delete the table (its blocks go back to the
         pool, published ones stay cached)."""
@@ -169,12 +183,13 @@ class PoolKVCache(KVCache):
         return out
 
     def is_trimmable(self):
-        # NOTE: a table cannot give back its tail yet (the pool's tables grow
-        # only), so a pooled cache is not trimmable: mlx-lm then never tries.
-        return False
+        return True
 
     def trim(self, n):
-        return 0
+        n = super().trim(n)
+        if self.layer == 0:             # one table for every layer: trim it once
+            self.seq.trim(n)
+        return n
 
 
 def make_pool_cache(model, seq: PoolSequence) -> List[PoolKVCache]:

@@ -7,12 +7,11 @@ name. Every public operation takes the pool lock once, checks its inputs,
 then commits: it is atomic and linearizable across processes, and a bad
 input raises before anything changes.
 
-Fixes over the seed (NOTES.md): batch free is ``free_block_batch``; a table
-frees its blocks tail first; uncached freed blocks are reused before cached
-ones; lookups match whole chains only; ``acquire_computed_blocks`` looks up
-and takes references in one step; copy-on-write copies payload bytes, and
-only for the last, partly filled block; ``evict_lru_blocks`` keeps LRU
-order; statistics are computed from the state, so they cannot drift.
+The seed's own methods keep the seed's behaviour (so code written for it
+runs unchanged) and the better behaviour lives in the calls added here
+(``acquire_computed_blocks``, ``prepare_append``, ``trim_table``,
+``free_block_batch``, ...); the README lists every deliberate difference
+("Differences from the seed") and why.
 """
 
 from __future__ import annotations
@@ -30,8 +29,8 @@ from . import layout as L
 from . import recovery
 from .blocks import (BlockHash, BlockHashToBlockMap, BlockTable, CacheBlock, CacheStats,
                      FreeKVCacheBlockQueue, KVCacheBlock, compute_block_hash)
-from .errors import OutOfBlocksError
-from .freelist import SharedFreeQueue
+from .errors import CapacityError, OutOfBlocksError
+from .freelist import SeedFreeQueue, SharedFreeQueue
 from .fastpath import alloc_loose, free_loose
 from .pool import Pool
 from .core import _close, _release_slot_holdings
@@ -95,6 +94,8 @@ class PagedCacheManager(TableOps, PrefixOps):
         self.enable_caching = lay.enable_caching
         self._refs = RefStore(p)
         self._tcache: Dict[int, tuple] = {}     # tables created here (see _holds)
+        self._cdata: Dict[int, tuple] = {}      # block -> (generation, cache_data)
+        self._cdata_prune = 64
         self._reclaimed_in_repair = 0
         self._epoch = p.c[L.C_EPOCH]
         self._fq = SharedFreeQueue(p)
@@ -108,7 +109,7 @@ class PagedCacheManager(TableOps, PrefixOps):
         _wself = weakref.ref(self)
         p.view = lambda b: SharedBlock(_wself(), b)
         self._lock = p.lock
-        self.free_block_queue = self._fq
+        self.free_block_queue = SeedFreeQueue(self)
         self.cached_block_hash_to_block = SharedHashMap(self)
         self.hash_to_block = LegacyHashView(self)
         self.request_tables = RequestTablesView(self)
@@ -135,7 +136,11 @@ class PagedCacheManager(TableOps, PrefixOps):
             if not self._ensure_free(1):
                 logger.warning("Out of cache blocks")
                 return None
-            self._refs.need(1)
+            try:
+                self._refs.need(1)
+            except CapacityError as e:
+                logger.warning("Out of cache blocks: %s", e)
+                return None
             b = alloc_loose(self, 1)[0]
         return SharedBlock(self, b)
 
@@ -155,7 +160,8 @@ class PagedCacheManager(TableOps, PrefixOps):
         """Allocate ``num_blocks`` blocks at once.
 
         Raises:
-            OutOfBlocksError (a ValueError): not enough free blocks.
+            OutOfBlocksError (a ValueError): not enough free blocks, or no
+                room for their references (CapacityError, a subclass).
         """
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
             raise ValueError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
@@ -184,6 +190,7 @@ class PagedCacheManager(TableOps, PrefixOps):
             if not self._p.b_flags[b] & L.FLAG_CACHED:
                 return False
             self._uncache(b)
+            self._drop_payloads((b,))       # as the seed: cache_data = None
             self._p.c[L.C_EVICTIONS] += 1
             return True
 
@@ -275,24 +282,26 @@ class PagedCacheManager(TableOps, PrefixOps):
     # ================================================================ eviction
     def evict_lru_blocks(self, num_blocks: int) -> int:
         """Drop the prefix-cache entries of the ``num_blocks`` least recently
-        used free blocks, leaving the queue order as it is.
+        used free blocks, leaving the queue order as it is (the seed moves
+        them to the back; here uncached free blocks are reused first anyway).
 
         Returns:
-            The number of cache entries dropped.
+            What the seed returns: the number of free blocks looked at,
+            ``min(num_blocks, free_blocks)``, cached or not.
         """
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
             raise ValueError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
         with self._p.lock:
             self._sync()
-            n = 0
-            for b in self._fq.ids(limit=num_blocks):
-                if n >= num_blocks:
-                    break
+            lru = self._fq.ids(limit=num_blocks)
+            for b in lru:
                 if self._p.b_flags[b] & L.FLAG_CACHED:
                     self._uncache(b)
                     self._p.c[L.C_EVICTIONS] += 1
-                    n += 1
-            return n
+            self._drop_payloads(lru)        # as the seed: cache_data = None
+            if lru:
+                logger.info(f"Evicted {len(lru)} LRU blocks from cache")
+            return len(lru)
 
     def handle_memory_pressure(self, requested_blocks: int) -> bool:
         """Whether ``requested_blocks`` can be allocated (after reclaiming dead holders)."""
@@ -312,7 +321,9 @@ class PagedCacheManager(TableOps, PrefixOps):
         return 0.0 if total == 0 else 1.0 - self.free_blocks / total
 
     def get_stats(self) -> CacheStats:
-        """A snapshot of the statistics, computed from the pool's state."""
+        """A snapshot of the statistics (a ``PoolStats``: the seed's
+        ``CacheStats`` and the pool's capacities), computed from the pool's
+        state; ``total_tokens_cached`` is the seed's running count."""
         return self._scan_stats()
 
     def get_memory_usage(self) -> Dict[str, Any]:
@@ -324,7 +335,8 @@ class PagedCacheManager(TableOps, PrefixOps):
                 "utilization": s.allocated_blocks / self.max_blocks,
                 "cache_hit_rate": s.cache_hits / asked if asked else 0,
                 "metadata_bytes": self._p.layout.metadata_size,
-                "kv_bytes": self._p.layout.arena_size}
+                "kv_bytes": self._p.layout.arena_size,
+                **{k: getattr(s, k) for k in s.CAPACITY}}
 
     def reset_stats(self) -> None:
         with self._p.lock:
@@ -345,6 +357,7 @@ class PagedCacheManager(TableOps, PrefixOps):
                 logger.warning(f"Cannot reset cache: {used - 1} blocks in use")
                 return False
             self._uncache_all()
+            self._drop_payloads()           # as the seed: every cache_data = None
             for c in (L.C_HITS, L.C_MISSES, L.C_EVICTIONS):
                 self._p.c[c] = 0
             return True
@@ -357,8 +370,10 @@ class PagedCacheManager(TableOps, PrefixOps):
             for s in np.flatnonzero(p.slots["state"] == 1).tolist():
                 _release_slot_holdings(p, self._refs, s)
             self._uncache_all()
+            self._drop_payloads()
             p.c[L.C_EPOCH] += 1
             self.reset_stats()
+            p.c[L.C_TOKENS] = 0
             self._sync()
 
     # ======================================================= shmcache additions

@@ -92,9 +92,17 @@ class Pool:
 
     def _open_native(self):
         native = open_hot(self.mm, self.layout, self.created_at)
-        if hasattr(native, "set_max_refs"):
-            # the fused ops check every record id they read against it
-            native.set_max_refs(self.layout.max_refs)
+        if hasattr(native, "set_chunks"):
+            # what the fused ops need beyond mutex.hot_params: the chunk
+            # count (they check every chunk id they read against it), the
+            # block record's generation and the seed's token counter
+            native.set_chunks(self.layout.num_chunks,
+                              L.BLOCK_DTYPE.fields["gen"][1], L.C_TOKENS)
+        elif getattr(native, "alloc", None) is not None:
+            # a _hot built for an older layout: the same mutex through ctypes,
+            # and the fused ops in Python
+            native.release()
+            native = open_hot(self.mm, self.layout, self.created_at, accelerated=False)
         return native
 
     # ------------------------------------------------------------------ setup
@@ -115,7 +123,7 @@ class Pool:
             max_tables = min(max(64, max_blocks), 4096)
         max_tables = _positive_int("max_tables", max_tables)
         if max_refs is None:
-            max_refs = 2 * max_blocks + 256
+            max_refs = L.default_max_refs(max_blocks, max_tables)
         max_refs = _positive_int("max_refs", max_refs)
         given = dict(block_size=block_size, max_blocks=max_blocks, num_layers=num_layers,
                      num_kv_heads=num_kv_heads, head_dim=head_dim, max_slots=max_slots,
@@ -185,7 +193,10 @@ class Pool:
         self.slots = np.frombuffer(mm, L.SLOT_DTYPE, lay.max_slots, lay.slots_off)
         self.blocks = np.frombuffer(mm, L.BLOCK_DTYPE, lay.max_blocks + 2, lay.blocks_off)
         self.hidx = np.frombuffer(mm, np.int32, lay.hash_capacity, lay.hash_off)
-        self.refs = np.frombuffer(mm, L.REF_DTYPE, lay.max_refs, lay.refs_off)
+        self.chunks = np.frombuffer(mm, L.CHUNK_DTYPE, lay.num_chunks, lay.refs_off)
+        kw = np.frombuffer(mm, np.int32, lay.num_chunks * L.CHUNK_WORDS, lay.refs_off)
+        self.kmat = kw.reshape(lay.num_chunks, L.CHUNK_WORDS)   # [chunk, 0]: link
+        self.kw = memoryview(kw)                               # the chunk area as words
         self.tables = np.frombuffer(mm, L.TABLE_DTYPE, lay.max_tables, lay.tables_off)
         self.tidx = np.frombuffer(mm, np.int32, lay.table_capacity, lay.tindex_off)
         b = self.blocks
@@ -195,8 +206,7 @@ class Pool:
         self.b_flags = memoryview(b["flags"])
         self.b_tok = memoryview(b["token_count"])
         self.b_last = memoryview(b["last_access"])
-        self.r_block = memoryview(self.refs["block_id"])
-        self.r_next = memoryview(self.refs["next"])
+        self.b_gen = memoryview(b["gen"])
         t = self.tables
         self.t_state = memoryview(t["state"])
         self.t_owner = memoryview(t["owner"])
@@ -222,7 +232,7 @@ class Pool:
         self.TAIL = lay.max_blocks + 1
         # the views the fused hot paths (fastpath) bind in one load
         self.hot = (self.b_next, self.b_prev, self.b_ref, self.b_flags, self.b_tok, self.b_last,
-                    self.r_block, self.r_next, self.c, self.s_head, self.s_count,
+                    self.b_gen, self.kw, self.c, self.s_head, self.s_count,
                     self.HEAD, self.TAIL)
         h = self.header[0]
         self.created_at = float(h["created_at"])
@@ -270,13 +280,14 @@ class Pool:
         b["ref_count"][0] = 1
         b["flags"][0] = L.FLAG_NULL
         self.c[L.C_NUM_FREE] = n - 1
-        r = self.refs
-        r["block_id"] = -1
-        r["next"] = np.arange(1, lay.max_refs + 1, dtype=np.int32)
-        r["next"][-1] = -1
+        # every chunk free: 0 -> 1 -> ... -> num_chunks-1, first ids -1
+        k = self.kmat
+        k[:, 0] = np.arange(1, lay.num_chunks + 1, dtype=np.int32)
+        k[-1, 0] = -1
+        k[:, 1] = -1
         self.c[L.C_HOLDER] = -1
         self.c[L.C_FREE_REF] = 0
-        self.c[L.C_FREE_REFS] = lay.max_refs
+        self.c[L.C_FREE_REFS] = lay.num_chunks
         self.hidx[:] = -1
         self.tidx[:] = -1
         h["checksum"] = np.frombuffer(L.header_checksum(h), "V16")[0]
@@ -354,8 +365,8 @@ class Pool:
         """The error for a contradiction found in the shared state (``what``).
 
         Found under the lock by a manager, the derived state is rebuilt from
-        the records at once (``recovery.repair``, as after a holder's death),
-        so the next call finds a consistent pool; otherwise the pool is left
+        the reference lists at once (``recovery.repair``, as after a holder's
+        death), so the next call finds a consistent pool; otherwise the pool is left
         marked dirty for its next lock holder. The caller raises the error:
         the operation that met the corruption fails, clearly, and changes
         nothing more.
@@ -365,7 +376,7 @@ class Pool:
         if lock.held and lock._tlock._is_owned() and not self._repairing:
             try:
                 if self._on_dirty() is not False:
-                    note = "its derived state was rebuilt from the records; retry the call"
+                    note = "its derived state was rebuilt from the reference lists; retry the call"
                 else:
                     lock._keep_dirty = 1        # left dirty when the lock is released
             except Exception as e:          # the repair itself failed: leave it dirty
@@ -393,9 +404,9 @@ class Pool:
         self.lock.unusable = True
         _live_pools.discard(self)
         for k in list(vars(self)):
-            if k.startswith(("b_", "r_", "t_", "s_")) or k in (
-                    "c", "raw", "header", "counters", "slots", "blocks", "hidx",
-                    "refs", "tables", "tidx", "arena", "hindex", "tindex", "hhome", "hot"):
+            if k.startswith(("b_", "t_", "s_")) or k in (
+                    "c", "raw", "header", "counters", "slots", "blocks", "hidx", "chunks",
+                    "kw", "kmat", "tables", "tidx", "arena", "hindex", "tindex", "hhome", "hot"):
                 setattr(self, k, None)
         self.native.release()
         try:

@@ -2,10 +2,11 @@
 
 ``check`` verifies every invariant stated in ``freelist``, ``refs``,
 ``index`` and ``layout``. ``repair`` rebuilds all derived state (ref counts,
-the free list, both indexes, list lengths, the record free list) from the
-truth: the reference records reachable from live tables and attached slots,
-and each block's cached flag and hash. It runs when a lock holder died
-mid-update, so it assumes nothing about the derived state.
+the free list, both indexes, the chunk free list, the ends of every list's
+chain) from the truth: the ids in the lists of live tables and attached
+slots (as many as their lengths say), and each block's cached flag and hash.
+It runs when a lock holder died mid-update, so it assumes nothing about the
+derived state.
 """
 
 from __future__ import annotations
@@ -16,48 +17,106 @@ from . import layout as L
 from .errors import CorruptPoolError
 from .index import OpenIndex
 
+CI, CW = L.CHUNK_IDS, L.CHUNK_WORDS
 
-def _walk(p, head: int, limit: int, blocks: bool = False):
-    """(records of the list at ``head`` up to the first bad link, whether all
-    were good): a link outside [0, limit), a cycle, or (with ``blocks``) a
-    record naming no block in [1, max_blocks) ends the walk."""
-    out, r, seen = [], head, set()
-    n = p.layout.max_blocks
-    while r >= 0:
-        if r >= limit or r in seen or (blocks and not 0 < p.r_block[r] < n):
+
+def _chunks_for(n: int) -> int:
+    return -(-n // CI)
+
+
+def _walk_chunks(p, head: int, k: int, seen: set):
+    """(up to ``k`` chunks of the chain at ``head``, whether all ``k`` were
+    good): a link out of range or to a chunk already claimed (by this list or
+    another) ends the walk; the chunks walked are claimed in ``seen``."""
+    nch = p.layout.num_chunks
+    kw = p.kw
+    out, c = [], head
+    for _ in range(k):
+        if not 0 <= c < nch or c in seen:
             return out, False
-        seen.add(r)
-        out.append(r)
-        r = p.r_next[r]
+        seen.add(c)
+        out.append(c)
+        c = kw[c * CW]
     return out, True
 
 
-def reachable_records(p, problems=None):
-    """Records of live slots' loose lists and live tables: (records, per-owner
-    lists), each list cut before its first bad link or record (``_walk``)."""
-    limit = p.layout.max_refs
+def _table_list(p, t: int, seen: set):
+    """(chunks, ids, ok) of table ``t``: its ids in order up to the first
+    bad link or id naming no block (``ok`` False then), and the chunks
+    holding them."""
+    nch, n = p.layout.num_chunks, p.layout.max_blocks
+    count = p.t_len[t]
+    if not 0 <= count <= nch * CI:
+        return [], np.zeros(0, np.int32), False
+    chunks, whole = _walk_chunks(p, p.t_head[t], _chunks_for(count), seen)
+    ids = p.kmat[chunks, 1:].reshape(-1)[:count] if chunks else np.zeros(0, np.int32)
+    bad = np.flatnonzero((ids < 1) | (ids >= n))
+    m = int(bad[0]) if bad.size else len(ids)
+    keep = _chunks_for(m)
+    for c in chunks[keep:]:
+        seen.discard(c)
+    return chunks[:keep], ids[:m].copy(), whole and m == count
+
+
+def _slot_list(p, s: int, seen: set):
+    """(chunks, ids, ok) of slot ``s``'s loose list: every good id of the
+    chunks reachable (the first chunk holds the newest, partly filled)."""
+    nch, n = p.layout.num_chunks, p.layout.max_blocks
+    count = p.s_count[s]
+    if not 0 <= count <= nch * CI:
+        return [], np.zeros(0, np.int32), False
+    chunks, whole = _walk_chunks(p, p.s_head[s], _chunks_for(count), seen)
+    if not chunks:
+        return [], np.zeros(0, np.int32), whole
+    f = (count - 1) % CI + 1
+    ids = np.concatenate([p.kmat[chunks[0], 1:1 + f], p.kmat[chunks[1:], 1:].reshape(-1)])
+    good = (ids >= 1) & (ids < n)
+    return chunks, ids[good].copy(), whole and bool(good.all())
+
+
+def reachable_lists(p, problems=None):
+    """The lists of attached slots and live tables: [(kind, index, chunks,
+    ids, ok)], each chunk claimed by the first list that reaches it."""
+    seen: set = set()
     owners = []
     for s in np.flatnonzero(p.slots["state"] == 1).tolist():
-        recs, ok = _walk(p, p.s_head[s], limit, True)
+        chunks, ids, ok = _slot_list(p, s, seen)
         if not ok and problems is not None:
-            problems.append(f"slot {s}: loose list is cyclic, out of range or names no block")
-        owners.append(("slot", s, recs))
+            problems.append(f"slot {s}: loose list of {p.s_count[s]} ids is cut short, shares a "
+                            "chunk, links out of range or names no block")
+        owners.append(("slot", s, chunks, ids, ok))
     for t in np.flatnonzero(p.tables["state"] == 1).tolist():
-        recs, ok = _walk(p, p.t_head[t], limit, True)
+        chunks, ids, ok = _table_list(p, t, seen)
         if not ok and problems is not None:
-            problems.append(f"table {t}: list is cyclic, out of range or names no block")
-        owners.append(("table", t, recs))
-    allrecs = [r for _, _, recs in owners for r in recs]
-    return allrecs, owners
+            problems.append(f"table {t}: list of {p.t_len[t]} ids is cut short, shares a chunk, "
+                            "links out of range or names no block")
+        owners.append(("table", t, chunks, ids, ok))
+    return owners
 
 
-def expected_ref_counts(p, records) -> np.ndarray:
+def expected_ref_counts(p, owners) -> np.ndarray:
     n = p.layout.max_blocks
-    ids = p.refs["block_id"][np.asarray(records, dtype=np.int64)] if records else np.zeros(0, np.int32)
-    ids = ids[(ids >= 0) & (ids < n)]
+    ids = [o[3] for o in owners if len(o[3])]
+    ids = np.concatenate(ids) if ids else np.zeros(0, np.int32)
     ref = np.bincount(ids, minlength=n).astype(np.int64)
     ref[0] += 1
     return ref
+
+
+def _free_chunk_list(p, limit: int):
+    """(chunks of the free chunk list, whether it was sound): bounded."""
+    nch = p.layout.num_chunks
+    kw = p.kw
+    out, seen, c = [], set(), p.c[L.C_FREE_REF]
+    for _ in range(limit + 1):
+        if c == -1:
+            return out, True
+        if not 0 <= c < nch or c in seen:
+            return out, False
+        seen.add(c)
+        out.append(c)
+        c = kw[c * CW]
+    return out, False
 
 
 def _plain(index) -> OpenIndex:
@@ -80,32 +139,38 @@ def check(mgr) -> list:
     if (flags[1:] & L.FLAG_NULL).any():
         out.append("a block other than 0 is flagged null")
     # references
-    recs, owners = reachable_records(p, out)
-    if len(set(recs)) != len(recs):
-        out.append("a reference record is linked into two lists")
-    want = expected_ref_counts(p, recs)
+    owners = reachable_lists(p, out)
+    want = expected_ref_counts(p, owners)
     bad = np.flatnonzero(want != refc)
     for i in bad[:20].tolist():
         out.append(f"block {i}: ref_count {refc[i]} but {want[i]} references are held")
-    used = np.flatnonzero(p.refs["block_id"] >= 0)
-    leaked = np.setdiff1d(used, np.asarray(recs, dtype=np.int64))
-    if leaked.size:
-        out.append(f"{leaked.size} reference records are in use but held by nobody")
-    free_recs, ok = _walk(p, p.c[L.C_FREE_REF], lay.max_refs)
-    if not ok:
-        out.append("the free reference-record list is cyclic or out of range")
-    if len(free_recs) + len(recs) != lay.max_refs:
-        out.append(f"reference records: {len(free_recs)} free + {len(recs)} held != {lay.max_refs}")
-    if p.c[L.C_FREE_REFS] != len(free_recs):
-        out.append(f"free reference-record counter {p.c[L.C_FREE_REFS]} != {len(free_recs)}")
-    for kind, i, rl in owners:
-        if kind == "slot" and p.s_count[i] != len(rl):
-            out.append(f"slot {i}: loose_count {p.s_count[i]} != {len(rl)} records")
+    kw, nch = p.kw, lay.num_chunks
+    used = 0
+    for kind, i, chunks, ids, ok in owners:
+        used += len(chunks)
+        if chunks and kw[chunks[-1] * CW] != -1:
+            out.append(f"{kind} {i}: its chain goes on past its last chunk {chunks[-1]}")
         if kind == "table":
-            if p.t_len[i] != len(rl):
-                out.append(f"table {i}: length {p.t_len[i]} != {len(rl)} records")
-            if (rl[-1] if rl else -1) != p.t_tail[i]:
-                out.append(f"table {i}: tail {p.t_tail[i]} is not its last record")
+            head, tail = p.t_head[i], p.t_tail[i]
+            if (tail, head) != ((chunks[-1], chunks[0]) if chunks else (-1, -1)) and ok:
+                out.append(f"table {i}: head {head} / tail {tail} are not its first / last chunk")
+            if p.t_tok[i] > p.t_len[i] * lay.block_size:
+                out.append(f"table {i}: num_tokens {p.t_tok[i]} do not fit its {p.t_len[i]} "
+                           f"blocks of {lay.block_size}")
+        elif ok and not chunks and p.s_head[i] != -1:
+            out.append(f"slot {i}: no loose references but its list head is {p.s_head[i]}")
+    free, ok = _free_chunk_list(p, nch)
+    if not ok:
+        out.append("the free chunk list is cyclic or out of range")
+    if any(kw[c * CW + 1] != -1 for c in free):
+        out.append("a chunk on the free list holds a block id")
+    claimed = set(c for o in owners for c in o[2])
+    if claimed & set(free):
+        out.append("a chunk is both in a list and on the free list")
+    if len(free) + used != nch:
+        out.append(f"chunks: {len(free)} free + {used} in lists != {nch}")
+    if p.c[L.C_FREE_REFS] != len(free):
+        out.append(f"free chunk counter {p.c[L.C_FREE_REFS]} != {len(free)}")
     # free list
     nxt, prv = p.b_next, p.b_prev
     seen, cur, prev = [], nxt[p.HEAD], p.HEAD
@@ -179,46 +244,68 @@ def check(mgr) -> list:
 
 
 def repair(mgr) -> None:
-    """Rebuild every derived structure from the records (lock held)."""
+    """Rebuild every derived structure from the lists (lock held)."""
     p = mgr._p
     lay = p.layout
     n = lay.max_blocks
     b = p.blocks
-    recs, owners = reachable_records(p)
-    # A record in two lists cannot be told apart; keep its first owner.
-    # Lists are cut before a bad link or a record naming no block (_walk).
-    seen = set()
-    for kind, i, rl in owners:
-        keep = []
-        for r in rl:
-            if r in seen:
-                break
-            seen.add(r)
-            keep.append(r)
-        if keep:
-            p.r_next[keep[-1]] = -1
+    kw, km, nch = p.kw, p.kmat, lay.num_chunks
+    # Lists keep what is readable: a table its ids up to the first bad one
+    # (its length cut there), a loose list its good ids (rewritten below
+    # when any was lost). A chunk reached by two lists stays with the first.
+    owners = reachable_lists(p)
+    rewrite = []
+    for kind, i, chunks, ids, ok in owners:
         if kind == "slot":
-            p.s_head[i] = keep[0] if keep else -1
-            p.s_count[i] = len(keep)
+            if not ok:
+                p.s_head[i], p.s_count[i] = -1, 0
+                rewrite.append((i, ids))
+                chunks.clear()
+            elif chunks:
+                kw[chunks[-1] * CW] = -1
+            else:
+                p.s_head[i] = -1
         else:
-            p.t_head[i] = keep[0] if keep else -1
-            p.t_tail[i] = keep[-1] if keep else -1
-            p.t_len[i] = len(keep)
-            if p.t_tok[i] < 0:
-                p.t_tok[i] = 0
-    recs = list(seen)
-    # records: free every one nobody holds
-    held = np.zeros(lay.max_refs, bool)
-    held[np.asarray(recs, dtype=np.int64)] = True
+            p.t_len[i] = len(ids)
+            if chunks:
+                kw[chunks[-1] * CW] = -1
+                p.t_head[i], p.t_tail[i] = chunks[0], chunks[-1]
+            else:
+                p.t_head[i] = p.t_tail[i] = -1
+            p.t_tok[i] = min(max(p.t_tok[i], 0), len(ids) * lay.block_size)
+    # chunks: every one no list holds is free
+    held = np.zeros(nch, bool)
+    for o in owners:
+        held[np.asarray(o[2], dtype=np.int64)] = True
     free = np.flatnonzero(~held).astype(np.int32)
-    p.refs["block_id"][free] = -1
+    km[free, 1] = -1
     if free.size:
-        p.refs["next"][free[:-1]] = free[1:]
-        p.refs["next"][free[-1]] = -1
+        km[free[:-1], 0] = free[1:]
+        km[free[-1], 0] = -1
     p.c[L.C_FREE_REF] = int(free[0]) if free.size else -1
     p.c[L.C_FREE_REFS] = int(free.size)
+    # loose lists that lost ids: written afresh (they need no more chunks
+    # than they had)
+    fr = list(free[::-1])
+    for s, ids in rewrite:
+        head, cnt = -1, 0
+        for x in ids.tolist():
+            if cnt % CI == 0:
+                c = int(fr.pop())
+                kw[c * CW] = head
+                head = c
+            kw[head * CW + 1 + cnt % CI] = x
+            cnt += 1
+        p.s_head[s], p.s_count[s] = head, cnt
+    if rewrite:
+        fr.reverse()
+        if fr:
+            km[fr[:-1], 0] = fr[1:]
+            km[fr[-1], 0] = -1
+        p.c[L.C_FREE_REF] = int(fr[0]) if fr else -1
+        p.c[L.C_FREE_REFS] = len(fr)
     # ref counts and flags
-    refc = expected_ref_counts(p, recs)
+    refc = expected_ref_counts(p, owners)
     b["ref_count"][:n] = refc.astype(np.int32)
     b["flags"][0] = L.FLAG_NULL
     b["flags"][1:n] &= ~np.uint16(L.FLAG_NULL)
@@ -255,15 +342,28 @@ def repair(mgr) -> None:
 
 
 def scan_stats(p) -> dict:
-    n = p.layout.max_blocks
+    """The statistics of ``get_stats``/``shmcache inspect`` from the state
+    (``total_tokens_cached`` is the seed's running count, ``C_TOKENS``)."""
+    lay = p.layout
+    n = lay.max_blocks
     b = p.blocks
     refc = b["ref_count"][:n]
     alloc = refc > 0
+    live_t = p.tables["state"] == 1
+    live_s = p.slots["state"] == 1
     return {
         "total_blocks": n,
         "allocated_blocks": int(alloc.sum()),
         "free_blocks": int(p.c[L.C_NUM_FREE]),
         "shared_blocks": int((refc[1:] > 1).sum()),
-        "total_tokens_cached": int(b["token_count"][1:n][alloc[1:]].sum(dtype=np.int64)),
+        "total_tokens_cached": int(p.c[L.C_TOKENS]),
+        "tokens_held": int(b["token_count"][1:n][alloc[1:]].sum(dtype=np.int64)),
         "cached_blocks": int(((b["flags"][:n] & L.FLAG_CACHED) != 0).sum()),
+        "refs_held": int(p.tables["length"][live_t].sum(dtype=np.int64)
+                         + p.slots["loose_count"][live_s].sum(dtype=np.int64)),
+        "max_refs": lay.max_refs,
+        "block_tables": int(live_t.sum()),
+        "max_tables": lay.max_tables,
+        "attached": int(live_s.sum()),
+        "max_slots": lay.max_slots,
     }

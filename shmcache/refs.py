@@ -1,125 +1,205 @@
-"""Reference records: who holds each reference to a block.
+"""References: who holds each reference to a block.
 
 Every reference to a block (except the null block's permanent one) is one
-record ``(block_id, next)`` in a singly linked list: either a slot's *loose*
-list (blocks a manager allocated, acquired or touched and has not put in a
-table) or a block table's list (in table order). Unused records form a free
-list headed by counter ``C_FREE_REF`` and have ``block_id == -1``.
+int32 block id in a *list* held in shared memory: a block table's list (in
+table order) or an attached slot's *loose* list (blocks a manager allocated,
+acquired or touched and has not put in a table). A list is a chain of
+chunks from the pool's chunk area (``layout.CHUNK_DTYPE``: a link and
+``CHUNK_IDS`` ids); the chain is exactly ``ceil(count / CHUNK_IDS)`` chunks
+long, the last one linking to -1. Unused chunks form a free list headed by
+counter ``C_FREE_CHUNK`` (their first id is -1). So sharing costs 4 bytes per
+reference: a fork of a 128-block table takes 9 chunks, whatever the blocks.
 
-Invariant: a block's ``ref_count`` equals the number of records naming it
-(plus 1 for the null block). Recovery recomputes ``ref_count`` from the
-records, so the records are the truth and ``ref_count`` a cache of it.
-Every record id read from shared memory is checked before it is used
-(``walk``, ``_check``), and every block id read from a record before it
-indexes a block (``block_of``, ``blocks_of``): one out of range, a list
-longer than the record pool or a record naming no block is corruption
-(``Pool.corrupt``).
-NOTE: every list change is ordered so that the single link write is the
-commit point: a holder that dies before it leaves an unreachable record
-(recovery frees it), never a half-linked list.
+- A table's chain runs from ``head`` to ``tail`` in table order: every chunk
+  is full but the tail, which holds ``(length - 1) % CHUNK_IDS + 1`` ids.
+  ``length`` is the commit point: an append writes the id (after linking a
+  new tail chunk if needed) and then bumps it; a truncation lowers it and
+  then unlinks the chunks past it; a copy-on-write rewrites one id in place.
+  A holder that dies in between leaves at most a chunk past the length,
+  which recovery frees.
+- A slot's loose list is a multiset and only its owner changes it (or, once
+  the owner is dead, whoever releases what it held). Its *first* chunk
+  ``loose_head`` is the partly filled one, with ``(count - 1) % CHUNK_IDS +
+  1`` ids; the chunks after it are full. Adding writes into the first chunk
+  (or pushes a new first chunk); dropping moves the newest id into the
+  dropped one's place and pops the first chunk once it is empty: both O(1).
 
-The owning manager keeps a process-local map block_id -> its loose record
-ids, only to find its own records in O(1); it is rebuilt from shared memory
+Invariant: a block's ``ref_count`` equals the number of ids naming it in live
+tables and attached slots' loose lists (plus 1 for the null block).
+Recovery recomputes ``ref_count`` from the lists, so the lists are the truth
+and ``ref_count`` a cache of it. Every chunk id read from shared memory is
+checked before it is used (``chain``, ``_new_chunk``), and every block id
+read from a list before it indexes a block (``block_at``, ``blocks_at``):
+one out of range or a list whose length needs more chunks than the pool has
+is corruption (``Pool.corrupt``).
+
+Positions are *words*: the index of an id in the chunk area seen as int32
+words (``Pool.kw``), ``chunk * CHUNK_WORDS + 1 + offset``.
+
+The owning manager keeps a process-local map block_id -> the words of its
+loose ids, only to find its own ids in O(1); it is rebuilt from shared memory
 whenever it could be stale, and never consulted by anyone else.
 """
 
 from __future__ import annotations
 
 from .errors import CapacityError
-from .layout import C_FREE_REF, C_FREE_REFS
+from .layout import C_FREE_REF, C_FREE_REFS, CHUNK_IDS, CHUNK_WORDS
+
+CI, CW = CHUNK_IDS, CHUNK_WORDS
+
+
+def chunks_for(n: int) -> int:
+    """Chunks a list of ``n`` ids takes."""
+    return -(-n // CI)
 
 
 class RefStore:
     def __init__(self, pool) -> None:
         self.p = pool
-        self.loose: dict = {}      # block_id -> [record ids] of this slot
+        self.loose: dict = {}      # block_id -> [words] of this slot
 
-    # ---- record pool ------------------------------------------------------
-    def need(self, n: int) -> None:
-        """Raise unless ``n`` records are free (check before commit)."""
+    # ---- the chunk pool -----------------------------------------------------
+    def free_chunks(self) -> int:
         p = self.p
         free = p.c[C_FREE_REFS]
-        if not 0 <= free <= p.layout.max_refs:
-            raise p.corrupt(f"the free reference-record counter is {free}, outside "
-                            f"[0, {p.layout.max_refs}]")
-        if free < n:
-            raise CapacityError(
-                f"pool {p.name!r} needs {n} reference records, {p.c[C_FREE_REFS]} are free "
-                f"(max_refs={p.layout.max_refs}); create it with a larger max_refs")
+        if not 0 <= free <= p.layout.num_chunks:
+            raise p.corrupt(f"the free chunk counter is {free}, outside "
+                            f"[0, {p.layout.num_chunks}]")
+        return free
 
-    def _new(self, block_id: int, nxt: int) -> int:
-        p = self.p
-        r = p.c[C_FREE_REF]
-        if r < 0:
+    def need_chunks(self, k: int) -> None:
+        """Raise unless ``k`` chunks are free (check before commit)."""
+        if k > 0 and self.free_chunks() < k:
+            p = self.p
             raise CapacityError(
-                f"pool {p.name!r} has no free reference records "
-                f"(max_refs={p.layout.max_refs}); create it with a larger max_refs")
-        self._check(r, "the free-record list's head")
-        if p.r_block[r] != -1:
-            raise p.corrupt(f"reference record {r} is on the free list but names block "
-                            f"{p.r_block[r]}")
-        p.c[C_FREE_REF] = p.r_next[r]
+                f"pool {p.name!r} holds as many block references as it can "
+                f"({p.layout.max_refs}, max_refs): release some (delete tables, free "
+                "blocks), or create the pool with a larger max_refs")
+
+    def loose_chunks_needed(self, n: int) -> int:
+        cnt = self.p.s_count[self.p.slot]
+        return chunks_for(cnt + n) - chunks_for(cnt)
+
+    def table_chunks_needed(self, t: int, n: int) -> int:
+        ln = self.p.t_len[t]
+        return chunks_for(ln + n) - chunks_for(ln)
+
+    def need(self, n: int) -> None:
+        """Raise unless this slot's loose list can take ``n`` more ids."""
+        self.need_chunks(self.loose_chunks_needed(n))
+
+    def need_table(self, t: int, n: int) -> None:
+        """Raise unless table ``t`` can take ``n`` more ids."""
+        self.need_chunks(self.table_chunks_needed(t, n))
+
+    def _new_chunk(self) -> int:
+        p = self.p
+        c = p.c[C_FREE_REF]
+        n = p.layout.num_chunks
+        if c < 0:
+            raise CapacityError(f"pool {p.name!r} has no free reference chunk")
+        if c >= n:
+            raise p.corrupt(f"the free chunk list's head is {c}, outside [0, {n})")
+        w = p.kw
+        base = c * CW
+        nxt = w[base]
+        if w[base + 1] != -1 or not -1 <= nxt < n:
+            raise p.corrupt(f"chunk {c} is on the free list but holds block {w[base + 1]} "
+                            f"or links to {nxt}")
+        p.c[C_FREE_REF] = nxt
         p.c[C_FREE_REFS] -= 1
-        p.r_block[r] = block_id
-        p.r_next[r] = nxt
-        return r
+        w[base] = -1
+        return c
 
-    def _release(self, r: int) -> None:
+    def _free_chunk(self, c: int) -> None:
         p = self.p
-        p.r_block[r] = -1
-        p.r_next[r] = p.c[C_FREE_REF]
-        p.c[C_FREE_REF] = r
+        w = p.kw
+        w[c * CW + 1] = -1
+        w[c * CW] = p.c[C_FREE_REF]
+        p.c[C_FREE_REF] = c
         p.c[C_FREE_REFS] += 1
 
-    # ---- checks: every record id read from shared memory, before use -------
-    def _check(self, r: int, what: str) -> int:
-        if not 0 <= r < self.p.layout.max_refs:
-            raise self.p.corrupt(f"{what} is record {r}, outside [0, {self.p.layout.max_refs})")
-        return r
+    # ---- walks: every chunk id read from shared memory, checked ------------
+    def _check_chunk(self, c: int, what: str) -> int:
+        if not 0 <= c < self.p.layout.num_chunks:
+            raise self.p.corrupt(f"{what} is chunk {c}, outside [0, {self.p.layout.num_chunks})")
+        return c
 
-    def walk(self, head: int, what: str, *args) -> list:
-        """The records of the list starting at ``head``, checked: each in
-        range, and no more of them than the record pool has (a cycle).
-        Changes nothing. (``what.format(*args)`` names the list in errors.)"""
+    def chain(self, head: int, count: int, what: str, *args) -> list:
+        """The ``ceil(count / CHUNK_IDS)`` chunks of the list at ``head``,
+        each checked to be in range and met once, the last linking to -1.
+        Changes nothing. (``what.format(*args)``
+        names the list in errors.)"""
         p = self.p
-        limit = p.layout.max_refs
-        rn = p.r_next
+        n = p.layout.num_chunks
+        k = chunks_for(count) if count > 0 else 0
+        if count < 0 or k > n:
+            raise p.corrupt(f"{what.format(*args)} counts {count} ids, more than the pool's "
+                            f"{n} chunks hold")
+        w = p.kw
         out = []
-        add = out.append
-        r = head
-        for _ in range(limit + 1):
-            if r < 0:
-                return out
-            if r >= limit:
-                raise p.corrupt(f"{what.format(*args)} links to record {r}, outside "
-                                f"[0, {limit})")
-            add(r)
-            r = rn[r]
-        raise p.corrupt(f"{what.format(*args)} is longer than the record pool (a cycle)")
+        c = head
+        for _ in range(k):
+            if not 0 <= c < n:
+                raise p.corrupt(f"{what.format(*args)} links to chunk {c}, outside [0, {n})")
+            out.append(c)
+            c = w[c * CW]
+        if k and c != -1:
+            raise p.corrupt(f"{what.format(*args)} goes on past its last chunk {out[-1]} "
+                            f"(to {c})")
+        if k > 1 and len(set(out)) < k:
+            raise p.corrupt(f"{what.format(*args)} reaches a chunk twice (a cycle)")
+        return out
 
-    def block_of(self, r: int, what: str, *args) -> int:
-        """The block record ``r`` names, checked to be one: in [1, max_blocks)."""
-        b = self.p.r_block[r]
+    def block_at(self, g: int, what: str, *args) -> int:
+        """The block at word ``g``, checked to be one: in [1, max_blocks)."""
+        b = self.p.kw[g]
         if not 0 < b < self.p.layout.max_blocks:
-            raise self.p.corrupt(f"{what.format(*args)}: record {r} names block {b}, outside "
+            raise self.p.corrupt(f"{what.format(*args)}: word {g} names block {b}, outside "
                                  f"[1, {self.p.layout.max_blocks})")
         return b
 
-    def blocks_of(self, recs: list, what: str, *args) -> list:
-        rb, n = self.p.r_block, self.p.layout.max_blocks
-        out = [rb[r] for r in recs]
+    def blocks_at(self, words: list, what: str, *args) -> list:
+        w, n = self.p.kw, self.p.layout.max_blocks
+        out = [w[g] for g in words]
         if out and (min(out) < 1 or max(out) >= n):
-            for r in recs:
-                self.block_of(r, what, *args)   # raises at the first bad one
+            for g in words:
+                self.block_at(g, what, *args)   # raises at the first bad one
         return out
 
     # ---- loose references of this slot -------------------------------------
+    def slot_words(self, slot: int) -> list:
+        """The words of a slot's loose ids (first chunk first)."""
+        p = self.p
+        cnt = p.s_count[slot]
+        chunks = self.chain(p.s_head[slot], cnt, "slot {}'s loose list", slot)
+        if not chunks:
+            return []
+        first = chunks[0] * CW + 1
+        out = list(range(first, first + (cnt - 1) % CI + 1))
+        for c in chunks[1:]:
+            out.extend(range(c * CW + 1, c * CW + CW))
+        return out
+
     def add_loose(self, block_id: int) -> None:
+        """Add a loose reference of this slot (caller checked ``need``)."""
         p, s = self.p, self.p.slot
-        r = self._new(block_id, p.s_head[s])
-        p.s_head[s] = r          # commit
-        p.s_count[s] += 1
-        self.loose.setdefault(block_id, []).append(r)
+        cnt = p.s_count[s]
+        off = cnt % CI
+        w = p.kw
+        if off == 0:
+            c = self._new_chunk()
+            g = c * CW + 1
+            w[c * CW] = p.s_head[s] if cnt else -1
+            w[g] = block_id
+            p.s_head[s] = c
+        else:
+            h = self._check_chunk(p.s_head[s], f"slot {s}'s loose list head")
+            g = h * CW + 1 + off
+            w[g] = block_id
+        p.s_count[s] = cnt + 1       # commit
+        self.loose.setdefault(block_id, []).append(g)
 
     def holds_loose(self, block_id: int) -> bool:
         return bool(self.loose.get(block_id))
@@ -127,36 +207,47 @@ class RefStore:
     def drop_loose(self, block_id: int) -> None:
         """Drop one loose reference of this slot to ``block_id`` (caller checked)."""
         p, s = self.p, self.p.slot
+        w = p.kw
         recs = self.loose[block_id]
-        r = self._check(recs[-1], f"a loose reference to block {block_id}")
-        h = self._check(p.s_head[s], f"slot {s}'s loose list head")
-        if r != h:
-            hb = p.r_block[h]
-            lst = self.loose.get(hb)
-            if not lst or h not in lst:
-                raise p.corrupt(f"slot {s}'s loose list head {h} (block {hb}) is not "
+        g = recs[-1]
+        cnt = p.s_count[s]
+        h = self._check_chunk(p.s_head[s], f"slot {s}'s loose list head")
+        if cnt < 1 or not 0 <= g < len(w) or not g % CW or w[g] != block_id:
+            raise p.corrupt(f"slot {s}'s loose list does not hold block {block_id} at word "
+                            f"{g} (count {cnt})")
+        last = h * CW + 1 + (cnt - 1) % CI
+        lst = None
+        if g != last:
+            bl = w[last]
+            lst = self.loose.get(bl)
+            if not lst or last not in lst:
+                raise p.corrupt(f"slot {s}'s newest loose id (word {last}, block {bl}) is not "
                                 "among the references this manager holds")
+        nh = w[h * CW]
+        if (cnt - 1) % CI == 0 and not (nh == -1 if cnt == 1 else 0 <= nh < p.layout.num_chunks):
+            raise p.corrupt(f"slot {s}'s loose list: chunk {h} links to {nh}")
         recs.pop()
         if not recs:
             del self.loose[block_id]
-        if r != h:
-            # Move the head's block into r, then pop the head: O(1) removal
-            # from a singly linked list.
-            p.r_block[r] = hb
-            lst[lst.index(h)] = r
-        p.s_head[s] = p.r_next[h]   # commit
-        p.s_count[s] -= 1
-        self._release(h)
+        if lst is not None:
+            # Move the newest id into g, then drop the newest: O(1) removal.
+            w[g] = bl
+            lst[lst.index(last)] = g
+        p.s_count[s] = cnt - 1
+        if (cnt - 1) % CI == 0:
+            p.s_head[s] = nh
+            self._free_chunk(h)
 
     def pop_slot_loose(self, slot: int) -> list:
-        """Unlink a whole slot's loose list; return its block ids."""
+        """Empty a whole slot's loose list; return its block ids."""
         p = self.p
-        recs = self.walk(p.s_head[slot], "slot {}'s loose list", slot)
-        blocks = self.blocks_of(recs, "slot {}'s loose list", slot)
+        words = self.slot_words(slot)
+        blocks = self.blocks_at(words, "slot {}'s loose list", slot)
+        chunks = self.chain(p.s_head[slot], p.s_count[slot], "slot {}'s loose list", slot)
+        p.s_count[slot] = 0          # commit
         p.s_head[slot] = -1
-        p.s_count[slot] = 0
-        for r in recs:
-            self._release(r)
+        for c in chunks:
+            self._free_chunk(c)
         if slot == p.slot:
             self.loose.clear()
         return blocks
@@ -167,40 +258,123 @@ class RefStore:
         if p.slot < 0:
             return
         loose = {}
-        recs = self.walk(p.s_head[p.slot], "slot {}'s loose list", p.slot)
-        for r, b in zip(recs, self.blocks_of(recs, "slot {}'s loose list", p.slot)):
-            loose.setdefault(b, []).append(r)
+        words = self.slot_words(p.slot)
+        for g, b in zip(words, self.blocks_at(words, "slot {}'s loose list", p.slot)):
+            loose.setdefault(b, []).append(g)
         self.loose = loose
 
     # ---- table lists --------------------------------------------------------
-    def table_append(self, t: int, block_id: int) -> None:
+    def table_chain(self, t: int) -> list:
         p = self.p
-        tail = p.t_tail[t]
-        if tail >= 0:
-            self._check(tail, f"table {t}'s tail")
-        r = self._new(block_id, -1)
-        if tail >= 0:
-            p.r_next[tail] = r   # commit
-        else:
-            p.t_head[t] = r      # commit
-        p.t_tail[t] = r
-        p.t_len[t] += 1
+        return self.chain(p.t_head[t], p.t_len[t], "table {}'s list", t)
 
-    def table_records(self, t: int) -> list:
-        """A table's records (``walk``; the blocks they name are not checked:
-        ``block_of``)."""
-        return self.walk(self.p.t_head[t], "table {}'s list", t)
+    def table_words(self, t: int) -> list:
+        """The words of a table's ids, in table order (the blocks they name
+        are not checked: ``block_at``)."""
+        n = self.p.t_len[t]
+        out = []
+        for c in self.table_chain(t):
+            out.extend(range(c * CW + 1, c * CW + CW))
+        del out[n:]
+        return out
 
     def table_blocks(self, t: int) -> list:
-        return self.blocks_of(self.table_records(t), "table {}'s list", t)
+        chunks = self.table_chain(t)
+        if len(chunks) <= 2:
+            return self.blocks_at(self.table_words(t), "table {}'s list", t)
+        ids = self.p.kmat[chunks, 1:].reshape(-1)[:self.p.t_len[t]]
+        if ids.size and (ids.min() < 1 or ids.max() >= self.p.layout.max_blocks):
+            self.blocks_at(self.table_words(t), "table {}'s list", t)    # raises
+        return ids.tolist()
+
+    def table_word(self, t: int, i: int) -> int:
+        """The word of position ``i`` (0 <= i < length) of table ``t``."""
+        p = self.p
+        ln = p.t_len[t]
+        j = i // CI
+        if j == (ln - 1) // CI:
+            c = self._check_chunk(p.t_tail[t], f"table {t}'s tail")
+        else:
+            c = self.chain(p.t_head[t], (j + 1) * CI, "table {}'s list", t)[-1]
+        return c * CW + 1 + i % CI
+
+    def table_append(self, t: int, block_id: int) -> None:
+        """Append one id (caller checked ``need_table``)."""
+        p = self.p
+        ln = p.t_len[t]
+        w = p.kw
+        if ln % CI == 0:
+            c = self._new_chunk()
+            w[c * CW + 1] = block_id
+            if ln:
+                tail = self._check_chunk(p.t_tail[t], f"table {t}'s tail")
+                w[tail * CW] = c
+            else:
+                p.t_head[t] = c
+            p.t_tail[t] = c
+        else:
+            tail = self._check_chunk(p.t_tail[t], f"table {t}'s tail")
+            w[tail * CW + 1 + ln % CI] = block_id
+        p.t_len[t] = ln + 1          # commit
+
+    def table_extend(self, t: int, blocks) -> None:
+        """Append ids; one commit at the end (caller checked ``need_table``)."""
+        p = self.p
+        ln = p.t_len[t]
+        if not blocks:
+            return
+        w = p.kw
+        tail = self._check_chunk(p.t_tail[t], f"table {t}'s tail") if ln else -1
+        pos = ln
+        for b in blocks:
+            off = pos % CI
+            if off == 0:
+                c = self._new_chunk()
+                if tail >= 0:
+                    w[tail * CW] = c
+                else:
+                    p.t_head[t] = c
+                tail = c
+                p.t_tail[t] = c
+            w[tail * CW + 1 + off] = b
+            pos += 1
+        p.t_len[t] = pos             # commit
+
+    def table_truncate(self, t: int, n: int) -> list:
+        """Keep the first ``n`` ids; return the ids cut off (in table order)."""
+        p = self.p
+        words = self.table_words(t)
+        cut = self.blocks_at(words[n:], "table {}'s list", t)
+        chunks = self.table_chain(t)
+        keep = chunks_for(n)
+        p.t_len[t] = n               # commit
+        if keep:
+            p.kw[chunks[keep - 1] * CW] = -1
+            p.t_tail[t] = chunks[keep - 1]
+        else:
+            p.t_head[t] = p.t_tail[t] = -1
+        for c in chunks[keep:]:
+            self._free_chunk(c)
+        return cut
 
     def pop_table(self, t: int) -> list:
-        """Unlink a table's whole list (the table itself is already gone)."""
+        """Empty a table's whole list (the table itself is already gone)."""
+        return self.table_truncate(t, 0)
+
+    def copy_table(self, src: int, dst: int, chunks: list) -> None:
+        """Give the empty table ``dst`` the ids of ``src``, whose chain
+        ``chunks`` is (``table_chain``; caller checked ``need_chunks``)."""
         p = self.p
-        recs = self.table_records(t)
-        blocks = self.blocks_of(recs, "table {}'s list", t)
-        p.t_head[t] = p.t_tail[t] = -1
-        p.t_len[t] = 0
-        for r in recs:
-            self._release(r)
-        return blocks
+        ln = p.t_len[src]
+        new = [self._new_chunk() for _ in chunks]
+        if not new:
+            return
+        km = p.kmat
+        km[new, 1:] = km[chunks, 1:]
+        w = p.kw
+        for a, b in zip(new, new[1:]):
+            w[a * CW] = b
+        w[new[-1] * CW] = -1
+        p.t_head[dst] = new[0]
+        p.t_tail[dst] = new[-1]
+        p.t_len[dst] = ln            # commit

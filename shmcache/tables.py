@@ -10,7 +10,7 @@ from typing import List, Optional, Tuple
 from . import kv
 from . import layout as L
 from .blocks import (BlockTable, CacheBlock)
-from .errors import OutOfBlocksError
+from .errors import CapacityError, OutOfBlocksError
 from .views import SharedBlock
 
 logger = logging.getLogger("shmcache.paged_cache")
@@ -59,43 +59,63 @@ class TableOps(PoolOps):
                 self._release(b)
 
     def add_block_to_table(self, table: BlockTable, block: CacheBlock, tokens_in_block: int) -> None:
-        """Move this manager's reference on ``block`` into ``table``.
+        """Append ``block`` to ``table``: a reference this manager holds on
+        it outside its tables moves into the table (one that ``allocate_block``,
+        ``touch``, ``increment_ref`` or ``acquire_computed_blocks`` gave), or,
+        where it holds none, the table takes a new one (as ``touch`` does).
 
         Raises:
-            KeyError: the table does not exist. ValueError: the block is not
-                held by this manager, or ``tokens_in_block`` is out of range.
+            KeyError: the table does not exist. ValueError: the null block,
+                or ``tokens_in_block`` out of range. CapacityError (an
+                OutOfBlocksError): no room for the reference.
         """
-        self._table_add(table, block, tokens_in_block)
+        self._table_add(table, block, tokens_in_block, count_tokens=True)
 
     def fork_block_table(self, source_table: BlockTable, new_request_id: str) -> BlockTable:
-        """A new table sharing every block of ``source_table`` (one more reference each)."""
+        """A new table sharing every block of ``source_table`` (one more
+        reference each: 4 bytes apiece, never a copy).
+
+        Raises:
+            KeyError: unknown source. ValueError: a table for
+                ``new_request_id`` exists. CapacityError (an
+                OutOfBlocksError): no free table, or no room for the
+                references; nothing changed.
+        """
         with self._p.lock:
             self._sync()
             src = self._table_index(source_table)
-            blocks = self._refs.table_blocks(src)
             _rid_key(new_request_id)
-            self._refs.need(len(blocks))
-            t = self._new_table(new_request_id)
             p = self._p
+            chunks = self._refs.table_chain(src)        # (checked before anything changes)
+            blocks = self._refs.table_blocks(src)
+            self._refs.need_chunks(len(chunks))
+            t = self._new_table(new_request_id)
+            self._refs.copy_table(src, t, chunks)
             for b in blocks:
-                self._refs.table_append(t, b)
                 p.b_ref[b] += 1
             p.t_tok[t] = p.t_tok[src]
             return self._table_view(t)
 
-    def _cow_at(self, rec: int) -> bool:
+    def _cow_at(self, g: int, count_tokens: bool = True) -> int:
+        """Copy the block at word ``g`` of a table into a new block, which
+        replaces it there (payload and token count included); returns it.
+        The copy's tokens count in ``C_TOKENS`` (not in the seed's own
+        method, ``count_tokens`` False: the seed does not count them)."""
         p = self._p
-        old = self._refs.block_of(rec, "a table's list")
+        old = self._refs.block_at(g, "a table's list")
         new = self._pop_free()
         p.b_tok[new] = p.b_tok[old]
+        if count_tokens:
+            p.c[L.C_TOKENS] += p.b_tok[new]
         kv.copy_block(p, old, new)
-        p.r_block[rec] = new        # commit: the table now holds the copy
+        self._copy_payload(old, new)
+        p.kw[g] = new               # commit: the table now holds the copy
         self._release(old)
         p.c[L.C_COW] += 1
-        return True
+        return new
 
     def _append_plan(self, t: int, n: int) -> Tuple[list, int]:
-        """(records of the shared blocks the new tokens would land in, blocks to allocate)."""
+        """(words of the shared blocks the new tokens would land in, blocks to allocate)."""
         p, bs = self._p, self.block_size
         tok, length = p.t_tok[t], p.t_len[t]
         if n <= 0:
@@ -107,13 +127,14 @@ class TableOps(PoolOps):
             # Usually just the partly filled last block; any block written into
             # must be private to this table.
             if first == length - 1:
-                if p.t_tail[t] < 0:
-                    raise p.corrupt(f"table {t} has length {length} but no tail")
-                recs = [p.t_tail[t]]
+                words = [self._refs.table_word(t, first)]
             else:
-                recs = self._refs.table_records(t)[first:end]
-            blocks = self._refs.blocks_of(recs, "table {}'s list", t)
-            cow = [r for r, b in zip(recs, blocks) if p.b_ref[b] > 1]
+                words = self._refs.table_words(t)[first:end]
+            blocks = self._refs.blocks_at(words, "table {}'s list", t)
+            # shared, or published (a trimmed table's last block can be: its
+            # bytes are everyone's now)
+            cow = [g for g, b in zip(words, blocks)
+                   if p.b_ref[b] > 1 or p.b_flags[b] & L.FLAG_CACHED]
         return cow, max(0, needed - length)
 
     def can_append(self, table: BlockTable, num_new_tokens: int) -> bool:
@@ -122,7 +143,10 @@ class TableOps(PoolOps):
             raise ValueError(f"num_new_tokens must be a non-negative int, got {num_new_tokens!r}")
         with self._p.lock:
             self._sync()
-            cow, new = self._append_plan(self._table_index(table), num_new_tokens)
+            t = self._table_index(table)
+            cow, new = self._append_plan(t, num_new_tokens)
+            if self._refs.free_chunks() < self._refs.table_chunks_needed(t, new):
+                return False
             return self._ensure_free(len(cow) + new)
 
     def prepare_append(self, table: BlockTable, num_new_tokens: int) -> List[CacheBlock]:
@@ -136,7 +160,8 @@ class TableOps(PoolOps):
             The blocks that receive the new tokens, in order (the first may
             be the table's previous last block, or its copy).
         Raises:
-            OutOfBlocksError: not enough free blocks; nothing changed.
+            OutOfBlocksError: not enough free blocks (or room for the
+                references: CapacityError, a subclass); nothing changed.
             KeyError: unknown table. ValueError: negative count.
         """
         if isinstance(num_new_tokens, bool) or not isinstance(num_new_tokens, int) or num_new_tokens < 0:
@@ -149,53 +174,112 @@ class TableOps(PoolOps):
             if not self._ensure_free(len(cow) + new):
                 raise OutOfBlocksError(f"prepare_append needs {len(cow) + new} free blocks, "
                                        f"{p.c[L.C_NUM_FREE]} available")
-            self._refs.need(new)
-            for rec in cow:
-                self._cow_at(rec)
-            for _ in range(new):
-                self._refs.table_append(t, self._pop_free())
+            self._refs.need_table(t, new)
+            for g in cow:
+                self._cow_at(g)
+            if new:
+                self._refs.table_extend(t, [self._pop_free() for _ in range(new)])
             bs, tok = self.block_size, p.t_tok[t]
-            recs = self._refs.table_records(t)
-            if len(recs) != p.t_len[t]:
-                raise p.corrupt(f"table {t} has length {p.t_len[t]} but {len(recs)} records")
             first, last = tok // bs, (tok + num_new_tokens - 1) // bs
+            if first == last and first == p.t_len[t] - 1:
+                words = [self._refs.table_word(t, first)]
+            else:
+                words = self._refs.table_words(t)[first:last + 1]
             out = []
-            for i in range(first, last + 1):
-                b = self._refs.block_of(recs[i], "table {}'s list", t)
+            for i, g in zip(range(first, last + 1), words):
+                b = self._refs.block_at(g, "table {}'s list", t)
                 p.b_tok[b] = min(bs, tok + num_new_tokens - i * bs)
                 out.append(SharedBlock(self, b))
             p.t_tok[t] = tok + num_new_tokens
+            p.c[L.C_TOKENS] += num_new_tokens       # (as add_block_to_table counts them)
             return out
 
-    def get_blocks_for_generation(self, table: BlockTable) -> Tuple[List[CacheBlock], bool]:
-        """The table's blocks, after copying the last one if it is shared and
-        partly filled (the only block a decode step writes into)."""
+    def trim_table(self, table: BlockTable, num_tokens: int) -> int:
+        """Drop the last ``num_tokens`` tokens of ``table`` (all of them at most).
+
+        Blocks left with no token of the table are removed from it and their
+        references released (a block becomes free when it was the last
+        one); a shared block left partly filled stays, only dereferenced by
+        the tokens it no longer counts (the next append copies it first).
+        Published blocks keep their cache entries.
+
+        Returns:
+            The number of tokens dropped.
+        Raises:
+            KeyError: unknown table. ValueError: a negative count.
+        """
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
         with self._p.lock:
             self._sync()
+            p = self._p
             t = self._table_index(table)
-            cow, _ = self._append_plan(t, 1)
+            tok = p.t_tok[t]
+            n = min(num_tokens, tok)
+            if n == 0:
+                return 0
+            left = tok - n
+            keep = min(p.t_len[t], -(-left // self.block_size))
+            cut = self._refs.table_truncate(t, keep) if keep < p.t_len[t] else []
+            p.t_tok[t] = left
+            if keep and left < keep * self.block_size:
+                # the new last block: a private one counts only what is left
+                b = self._refs.block_at(self._refs.table_word(t, keep - 1), "table {}'s list", t)
+                if p.b_ref[b] == 1 and not p.b_flags[b] & L.FLAG_CACHED:
+                    now = min(p.b_tok[b], left - (keep - 1) * self.block_size)
+                    p.c[L.C_TOKENS] -= p.b_tok[b] - now
+                    p.b_tok[b] = now
+            for b in reversed(cut):
+                self._release(b)
+            return n
+
+    def get_blocks_for_generation(self, table: BlockTable) -> Tuple[List[CacheBlock], bool]:
+        """The table's blocks, after copying every shared block into a
+        private one (payload bytes and token count; the copy replaces it in
+        the table), as the seed does. A block stays shared when no free
+        block is left for its copy.
+
+        ``prepare_append`` is the efficient path: it copies only the
+        partly filled block the next tokens land in.
+
+        Returns:
+            (blocks, whether any block was copied).
+        """
+        with self._p.lock:
+            self._sync()
+            p = self._p
+            t = self._table_index(table)
+            words = self._refs.table_words(t)
+            blocks = self._refs.blocks_at(words, "table {}'s list", t)
             copied = False
-            if cow and self._ensure_free(len(cow)):
-                for rec in cow:
-                    copied = self._cow_at(rec)
-            now = self._p.now()
-            blocks = self._refs.table_blocks(t)
-            for b in blocks:
-                self._p.b_last[b] = now
-            return [SharedBlock(self, b) for b in blocks], copied
+            now = p.now()
+            out = []
+            for g, b in zip(words, blocks):
+                p.b_last[b] = now
+                if p.b_ref[b] > 1 and self._ensure_free(1):
+                    b = self._cow_at(g, count_tokens=False)
+                    copied = True
+                out.append(SharedBlock(self, b))
+            return out, copied
 
     def _cow_copy_block(self, source_block: CacheBlock) -> Optional[CacheBlock]:
-        """A new block (held by this manager) with a copy of the source's payload."""
+        """A new block (held by this manager) with a copy of the source's
+        payload and token count, or None when no block (or room for its
+        reference) is left."""
         with self._p.lock:
             self._sync()
             src = self._bid(source_block)
             if not self._ensure_free(1):
                 return None
-            self._refs.need(1)
+            try:
+                self._refs.need(1)
+            except CapacityError:
+                return None
             new = self._pop_free()
             self._refs.add_loose(new)
             self._p.b_tok[new] = self._p.b_tok[src]
             kv.copy_block(self._p, src, new)
+            self._copy_payload(src, new)
             self._p.c[L.C_COW] += 1
             return SharedBlock(self, new)
 
@@ -203,4 +287,3 @@ class TableOps(PoolOps):
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
             raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
         return self.get_new_blocks(-(-num_tokens // self.block_size))
-

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .blocks import BlockTable, CacheBlock, CacheStats
+from .blocks import BlockTable, CacheBlock, CacheStats, PoolStats
 from .layout import C_COW, C_EVICTIONS, C_HITS, C_MISSES, FLAG_NULL
 
 
@@ -91,8 +91,7 @@ class SharedBlock(CacheBlock):
 
     @cache_data.setter
     def cache_data(self, v) -> None:
-        if v is not None:
-            self._m._set_block_payload(self._id, v)
+        self._m._set_block_payload(self._id, v)
 
     def touch(self) -> None:
         self._m._p.b_last[self._id] = self._m._p.now()
@@ -109,11 +108,84 @@ class SharedBlock(CacheBlock):
         return hash((id(self._m._p), self._id))
 
 
+def _mutator(name):
+    def method(self, *args):
+        return self._edit(lambda ids: getattr(list, name)(ids, *args))
+    method.__name__ = name
+    method.__doc__ = f"list.{name}, applied to the table (see TableBlockIds)."
+    return method
+
+
+class TableBlockIds(list):
+    """``block_ids`` of a live table: a list of the table's block ids, read
+    from the pool, whose mutations change the table.
+
+    A mutation (``append``, ``extend``, ``pop``, ``insert``, ``remove``,
+    ``clear``, item and slice assignment or deletion, ``+=``, ``sort``,
+    ``reverse``) is applied, under the pool lock, to the table's ids as they
+    are then (so also when this list was read before another change), and
+    the list then holds the table's ids again. Every id in a table is a
+    reference: an id added moves into the table a reference this manager
+    holds outside its tables (as ``allocate_block``, ``increment_ref`` or
+    ``touch`` give), or takes a new one where it holds none; an id taken out
+    moves its reference to this manager (``free_block`` drops it), as the
+    seed's ``delete_block_table`` would have freed it. ``num_tokens`` is not
+    changed (the seed's callers set it). Reading is a plain list's.
+
+    Copies (slices, ``copy()``, ``list(...)``, pickles) are plain lists.
+    """
+
+    __slots__ = ("_tv",)
+
+    def __init__(self, tv, ids) -> None:
+        list.__init__(self, ids)
+        self._tv = tv
+
+    def _edit(self, op):
+        tv = self._tv
+        ids, result = tv._m._table_edit(tv, op)
+        list.__setitem__(self, slice(None), ids)
+        return result
+
+    append = _mutator("append")
+    extend = _mutator("extend")
+    insert = _mutator("insert")
+    remove = _mutator("remove")
+    clear = _mutator("clear")
+    reverse = _mutator("reverse")
+    __setitem__ = _mutator("__setitem__")
+    __delitem__ = _mutator("__delitem__")
+
+    def pop(self, index=-1):
+        return self._edit(lambda ids: ids.pop(index))
+
+    def sort(self, *, key=None, reverse=False):
+        return self._edit(lambda ids: ids.sort(key=key, reverse=reverse))
+
+    def __iadd__(self, other):
+        other = list(other)
+        self._edit(lambda ids: ids.extend(other))
+        return self
+
+    def __imul__(self, n):
+        self._edit(lambda ids: ids.__imul__(n))
+        return self
+
+    def __reduce__(self):
+        return (list, (list(self),))
+
+    def __copy__(self):
+        return list(self)
+
+    def __deepcopy__(self, memo):
+        return list(self)
+
+
 class SharedBlockTable(BlockTable):
     """A ``BlockTable`` that is a live view of a table in shared memory.
 
-    ``block_ids`` is a fresh list read from the pool on each access; change
-    a table through the manager (or ``add_block``), not by mutating the list.
+    ``block_ids`` is a ``TableBlockIds`` read from the pool on each access:
+    its mutations change the table.
     """
 
     def __init__(self, mgr, t: int, request_id: str, rid_hash: int) -> None:  # noqa
@@ -127,7 +199,7 @@ class SharedBlockTable(BlockTable):
     @property
     def block_ids(self) -> list:
         with self._m._p.lock:
-            return self._m._refs.table_blocks(self._m._table_index(self))
+            return TableBlockIds(self, self._m._refs.table_blocks(self._m._table_index(self)))
 
     @property
     def num_tokens(self) -> int:
@@ -151,7 +223,7 @@ class SharedBlockTable(BlockTable):
         return self._m._p.t_len[self._m._table_index(self)]
 
     def copy(self, new_request_id: str) -> BlockTable:
-        return BlockTable(new_request_id, self.block_ids, self.num_tokens)
+        return BlockTable(new_request_id, list(self.block_ids), self.num_tokens)
 
     def __eq__(self, other) -> bool:
         if isinstance(other, SharedBlockTable):
@@ -299,6 +371,8 @@ class BlocksView:
 
 _COUNTERS = {"cache_hits": C_HITS, "cache_misses": C_MISSES,
              "cow_copies": C_COW, "evictions": C_EVICTIONS}
+_DERIVED = ("total_blocks", "allocated_blocks", "free_blocks", "shared_blocks",
+            "total_tokens_cached") + PoolStats.CAPACITY
 
 
 class SharedStats(CacheStats):
@@ -311,8 +385,7 @@ class SharedStats(CacheStats):
     def __getattribute__(self, name):
         if name in _COUNTERS:
             return object.__getattribute__(self, "_m")._p.c[_COUNTERS[name]]
-        if name in ("total_blocks", "allocated_blocks", "free_blocks",
-                    "shared_blocks", "total_tokens_cached"):
+        if name in _DERIVED:
             return getattr(object.__getattribute__(self, "_m")._scan_stats(), name)
         return object.__getattribute__(self, name)
 

@@ -63,13 +63,14 @@ def full_scan(m) -> dict:
     return {"total_blocks": n,
             "allocated_blocks": sum(1 for r in ref if r > 0),
             "free_blocks": free,
-            "shared_blocks": sum(1 for b in range(1, n) if ref[b] > 1),
-            "total_tokens_cached": sum(p.b_tok[b] for b in range(1, n) if ref[b] > 0)}
+            "shared_blocks": sum(1 for b in range(1, n) if ref[b] > 1)}
 
 
 def stats_dict(s) -> dict:
+    """The statistics that are a function of the state (total_tokens_cached
+    is the seed's running count: see test_seed_consumer.py)."""
     return {k: getattr(s, k) for k in ("total_blocks", "allocated_blocks", "free_blocks",
-                                       "shared_blocks", "total_tokens_cached")}
+                                       "shared_blocks")}
 
 
 @pytest.fixture

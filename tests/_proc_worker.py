@@ -368,7 +368,7 @@ def run_random(name: str, seed: int, duration: float) -> int:
 
 
 # ------------------------------------------------------------------- serve
-SCRIBBLES = ("pop_free", "half_unlink", "ref_record", "table_half", "release_half")
+SCRIBBLES = ("pop_free", "half_unlink", "ref_chunk", "table_half", "release_half")
 
 
 class Server:
@@ -480,26 +480,31 @@ class Server:
             nxt[pr] = n
             p.c[L.C_NUM_FREE] -= 1
             return b
-        if kind == "ref_record":
-            # take a record and bump a held block's count, die before linking
+        if kind == "ref_chunk":
+            # take a chunk, write a held block into it and bump the block's
+            # count, die before linking the chunk anywhere
             b = next(iter(m._refs.loose))
-            m._refs._new(b, -1)
+            c = m._refs._new_chunk()
+            p.kw[c * L.CHUNK_WORDS + 1] = b
             p.b_ref[b] += 1
             return b
         if kind == "table_half":
-            # a table half created, and a live table's length bumped without its record
+            # a table half created, and a live table's append cut short after
+            # linking a new tail chunk (its length, the commit, not bumped)
             t = m._new_table("half-made")
             p.t_state[t] = 0
             t2 = m._table_index(m.get_block_table("victim"))
-            p.t_len[t2] += 1
+            c = m._refs._new_chunk()
+            p.kw[p.t_tail[t2] * L.CHUNK_WORDS] = c
+            p.t_tail[t2] = c
             b = m._fq.popleft_id()
             p.b_ref[b] = 1
-            m._refs._new(b, -1)
+            p.kw[c * L.CHUNK_WORDS + 1] = b
             return t
         if kind == "release_half":
-            # a table's block released in the free list while its record stays
+            # a table's block released in the free list while its id stays
             t = m._table_index(m.get_block_table("victim"))
-            b = p.r_block[p.t_head[t]]
+            b = p.kw[p.t_head[t] * L.CHUNK_WORDS + 1]
             p.b_ref[b] = 0
             m._fq.append_id(b)
             return b

@@ -252,16 +252,23 @@ def test_bad_tokens_in_block(manager, n):
     unchanged(manager, before)
 
 
-def test_add_block_not_held(pair):
+def test_add_block_not_held_takes_a_reference(pair):
+    """A block this manager holds no reference to gets one of the table's
+    own (as touch takes one): the seed's callers append blocks they took no
+    reference on, and the table's references must still add up."""
     m, other = pair
     t = m.create_block_table("r")
     b = other.allocate_block()
-    before = snapshot(m)
+    m.add_block_to_table(t, b, 1)                   # another manager's block
+    assert b.ref_count == 2 and other._refs.holds_loose(b.block_id)
+    free = m.free_blocks
+    m.add_block_to_table(t, 9, 1)                   # a free block: out of the queue
+    assert m.blocks[9].ref_count == 1 and m.free_blocks == free - 1
+    assert t.block_ids == [b.block_id, 9] and m.check() == []
+    m.delete_block_table("r")
+    assert b.ref_count == 1 and m.blocks[9].ref_count == 0 and m.check() == []
     with pytest.raises(ValueError):
-        m.add_block_to_table(t, b, 1)               # another manager's block
-    with pytest.raises(ValueError):
-        m.add_block_to_table(t, 9, 1)               # a free block
-    assert snapshot(m)[2] == before[2] and m.check() == []
+        m.add_block_to_table(m.create_block_table("s"), 0, 1)   # the null block
 
 
 @pytest.mark.parametrize("kw", [dict(block_size=0), dict(block_size=-4), dict(max_blocks=0),

@@ -1,5 +1,5 @@
 """check(): clean after real scenarios, and detecting each kind of corruption
-of the shared records."""
+of the shared state (blocks, free list, reference chunks, tables, indexes)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ def _scenario(m):
     got, _ = m.acquire_computed_blocks(tokens)
     m.get_new_blocks(2)
     m.create_block_table("empty")
+    # a table of two chunks (18 references to three blocks)
+    m.fork_block_table(t, "long").block_ids.extend(ids * 5)
     return t, ids, got
 
 
@@ -54,14 +56,21 @@ CORRUPTIONS = {
         int(np.flatnonzero(p.tidx >= 0)[0]), -1),
     "table counter": lambda m, p: p.c.__setitem__(L.C_NUM_TABLES, p.c[L.C_NUM_TABLES] + 1),
     "table length": lambda m, p: p.t_len.__setitem__(_live_table(p), p.t_len[_live_table(p)] + 1),
-    "table tail": lambda m, p: p.t_tail.__setitem__(_live_table(p), p.t_head[_live_table(p)]),
+    "table tail": lambda m, p: p.t_tail.__setitem__(_table(m, "long"), p.t_head[_table(m, "long")]),
+    "table tokens": lambda m, p: p.t_tok.__setitem__(
+        _table(m, "a"), p.t_len[_table(m, "a")] * m.block_size + 1),
     "loose count": lambda m, p: p.s_count.__setitem__(p.slot, p.s_count[p.slot] + 1),
-    "leaked record": lambda m, p: p.r_block.__setitem__(_free_record(p), 3),
-    "free record counter": lambda m, p: p.c.__setitem__(L.C_FREE_REFS, p.c[L.C_FREE_REFS] - 1),
-    "record in two lists": lambda m, p: p.r_next.__setitem__(
-        p.t_tail[_live_table(p)], p.s_head[p.slot]),
-    "cyclic table list": lambda m, p: p.r_next.__setitem__(
-        p.t_tail[_live_table(p)], p.t_head[_live_table(p)]),
+    "chunk off every list": lambda m, p: _leak_chunk(p),
+    "free chunk holds a block": lambda m, p: p.kw.__setitem__(
+        p.c[L.C_FREE_REF] * L.CHUNK_WORDS + 1, 3),
+    "free chunk counter": lambda m, p: p.c.__setitem__(L.C_FREE_REFS, p.c[L.C_FREE_REFS] - 1),
+    "chunk in two lists": lambda m, p: p.t_head.__setitem__(_table(m, "b"), p.t_head[_table(m, "a")]),
+    "cyclic table list": lambda m, p: p.kw.__setitem__(
+        p.t_head[_table(m, "long")] * L.CHUNK_WORDS, p.t_head[_table(m, "long")]),
+    "chain past its end": lambda m, p: p.kw.__setitem__(
+        p.t_tail[_table(m, "a")] * L.CHUNK_WORDS, p.c[L.C_FREE_REF]),
+    "table names no block": lambda m, p: p.kw.__setitem__(
+        p.t_head[_table(m, "a")] * L.CHUNK_WORDS + 2, 10**6),
     "cached null": lambda m, p: p.b_flags.__setitem__(0, L.FLAG_NULL | L.FLAG_CACHED),
 }
 
@@ -86,8 +95,14 @@ def _live_table(p):
     return int(live[0])
 
 
-def _free_record(p):
-    return int(p.c[L.C_FREE_REF])
+def _table(m, rid):
+    return m._table_index(rid)
+
+
+def _leak_chunk(p):
+    c = p.c[L.C_FREE_REF]
+    p.c[L.C_FREE_REF] = p.kw[c * L.CHUNK_WORDS]
+    p.kw[c * L.CHUNK_WORDS] = -1
 
 
 @pytest.mark.parametrize("kind", sorted(CORRUPTIONS))

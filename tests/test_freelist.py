@@ -186,13 +186,13 @@ def test_evict_lru_blocks_drops_only_the_lru_blocks(make_pool):
     m.delete_block_table("c")
     q = walk(m)
     assert q == [ids[2], ids[1], ids[0]]
-    assert m.evict_lru_blocks(1) == 1
+    assert m.evict_lru_blocks(1) == 1              # (the seed's count: blocks looked at)
     assert m.free_block_queue.ids() == q
     assert m.blocks[ids[2]].block_hash is None
     assert m.blocks[ids[1]].block_hash is not None
     assert m.blocks[ids[0]].block_hash is not None
     assert m.get_stats().evictions == 1
-    assert m.evict_lru_blocks(2) == 1              # the 2 LRU: ids[2] (done), ids[1]
+    assert m.evict_lru_blocks(2) == 2              # the 2 LRU: ids[2] (done), ids[1]
     assert m.blocks[ids[1]].block_hash is None
     assert m.blocks[ids[0]].block_hash is not None
     assert m.free_block_queue.ids() == q
@@ -208,7 +208,8 @@ def test_evict_lru_blocks_looks_only_at_the_lru_blocks(make_pool):
     q = walk(m)
     assert q == [held[0].block_id, ids[2], ids[1], ids[0]]
     # the least recently used block has no cache entry: nothing is dropped
-    assert m.evict_lru_blocks(1) == 0
+    # (the seed counts the block looked at all the same)
+    assert m.evict_lru_blocks(1) == 1
     assert all(m.blocks[b].block_hash is not None for b in ids)
     assert m.get_computed_blocks(tokens)[1] == 12
     assert m.free_block_queue.ids() == q

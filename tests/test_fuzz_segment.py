@@ -56,8 +56,8 @@ def _flip(data: bytearray, spec: dict, rng: random.Random) -> list:
         else:
             off = lo + rng.randrange(0, (hi - lo) // 4) * 4
             n = spec["max_blocks"]
-            v = rng.choice(INT32_VALUES + (n - 1, n, n + 1, n + 2, spec["max_refs"],
-                                           spec["max_refs"] - 1))
+            v = rng.choice(INT32_VALUES + (n - 1, n, n + 1, n + 2, spec["num_chunks"],
+                                           spec["num_chunks"] - 1))
             data[off:off + 4] = int(v).to_bytes(4, "little", signed=True)
             done.append(f"{name}+{off - lo}={v}")
     return done
@@ -210,11 +210,11 @@ def _regions(lay) -> dict:
     from shmcache import layout as L
     return {
         "header": (0, L.HEADER_DTYPE.itemsize),
-        "counters": (lay.counters_off, lay.counters_off + 15 * 8),
+        "counters": (lay.counters_off, lay.counters_off + 16 * 8),
         "slots": (lay.slots_off, lay.slots_off + lay.max_slots * L.SLOT_DTYPE.itemsize),
         "blocks": (lay.blocks_off, lay.blocks_off + (lay.max_blocks + 2) * L.BLOCK_DTYPE.itemsize),
         "hash index": (lay.hash_off, lay.hash_off + lay.hash_capacity * 4),
-        "refs": (lay.refs_off, lay.refs_off + lay.max_refs * L.REF_DTYPE.itemsize),
+        "refs": (lay.refs_off, lay.refs_off + lay.num_chunks * L.CHUNK_DTYPE.itemsize),
         "tables": (lay.tables_off, lay.tables_off + lay.max_tables * L.TABLE_DTYPE.itemsize),
         "table index": (lay.tindex_off, lay.tindex_off + lay.table_capacity * 4),
     }
@@ -263,7 +263,7 @@ def test_corrupted_segments_never_crash_or_hang(make_pool, tmp_path):
             "base": new_name("fuzz"), "tokens": tokens, "regions": _regions(lay),
             "weights": {"header": 1, "counters": 2, "slots": 1, "blocks": 3, "hash index": 1,
                         "refs": 3, "tables": 2, "table index": 1},
-            "max_blocks": lay.max_blocks, "max_refs": lay.max_refs}
+            "max_blocks": lay.max_blocks, "num_chunks": lay.num_chunks}
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(json.dumps(spec))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -34,15 +34,19 @@ SCENARIO = """
     m.delete_block_table("t")                   # three cached free blocks at the back
     assert m.check() == []
     kind = sys.argv[1]
-    if kind == "free-record head far":
+    # (4 loose references held: 11 more fill the first chunk, the 12th needs one)
+    if kind == "free-chunk head far":
         p.c[L.C_FREE_REF] = 10**9               # the SIGSEGV of the report
-        op = m.allocate_block
-    elif kind == "free-record head just past":
-        p.c[L.C_FREE_REF] = p.layout.max_refs
-        op = lambda: m.get_new_blocks(2)
-    elif kind == "free-record link":
-        p.r_next[p.c[L.C_FREE_REF]] = -7
-        op = lambda: m.get_new_blocks(3)
+        op = lambda: m.get_new_blocks(12)
+    elif kind == "free-chunk head just past":
+        p.c[L.C_FREE_REF] = p.layout.num_chunks
+        op = lambda: m.get_new_blocks(12)
+    elif kind == "free-chunk link":
+        p.kw[p.c[L.C_FREE_REF] * L.CHUNK_WORDS] = -7
+        op = lambda: m.get_new_blocks(27)       # two chunks
+    elif kind == "free chunk in use":
+        p.kw[p.c[L.C_FREE_REF] * L.CHUNK_WORDS + 1] = 5
+        op = lambda: m.get_new_blocks(12)
     elif kind == "free-list head":
         p.b_next[p.HEAD] = 10**6
         op = m.allocate_block
@@ -60,8 +64,16 @@ SCENARIO = """
     elif kind == "slot list head":
         p.s_head[p.slot] = 10**6
         op = lambda: m.free_block(held[0].block_id)
-    elif kind == "local record id":
+    elif kind == "local word":
         m._refs.loose[held[0].block_id] = [10**6]
+        op = lambda: m.free_block(held[0].block_id)
+    elif kind == "slot word":
+        g = m._refs.loose[held[0].block_id][0]
+        p.kw[g] = held[1].block_id
+        op = lambda: m.free_block(held[0].block_id)
+    elif kind == "slot chunk link":
+        m.free_block_batch(held[1:])            # one left
+        p.kw[p.s_head[p.slot] * L.CHUNK_WORDS] = 10**6
         op = lambda: m.free_block(held[0].block_id)
     else:
         raise SystemExit("unknown scenario " + kind)
@@ -82,9 +94,9 @@ SCENARIO = """
     print("consistent")
 """
 
-KINDS = ["free-record head far", "free-record head just past", "free-record link",
-         "free-list head", "null block in free list", "free-list link", "free-list tail",
-         "slot list head", "local record id"]
+KINDS = ["free-chunk head far", "free-chunk head just past", "free-chunk link",
+         "free chunk in use", "free-list head", "null block in free list", "free-list link",
+         "free-list tail", "slot list head", "local word", "slot word", "slot chunk link"]
 
 
 @pytest.mark.parametrize("pure", [False, True], ids=["C", "pure"])
@@ -116,7 +128,7 @@ def test_alloc_checks_the_count_before_sizing_anything():
         assert p.native.alloc(32, p.slot, m._epoch, m._refs.loose) is None
         assert len(p.native.alloc(31, p.slot, m._epoch, m._refs.loose)) == 31
         with pytest.raises(ValueError):
-            p.native.set_max_refs(10**12)       # more records than the mapping holds
+            p.native.set_chunks(10**12, 36, 15)  # more chunks than the mapping holds
         assert m.check() == []
     finally:
         m.close()

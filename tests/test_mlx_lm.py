@@ -688,3 +688,38 @@ def test_publish_while_decoding_finds_every_full_block(lm, pool, pools):
     other.close()
     seq.release()
     assert pool.check() == []
+
+
+@pytest.mark.timeout(120)
+def test_trim_shortens_the_table_and_decoding_goes_on_correctly(lm, pool):
+    """mlx-lm's trim over a pooled cache gives back the table's whole blocks
+    past the new end; decoding again from there gives the reference tokens
+    and the pool holds exactly the working buffer's K/V."""
+    mgr, bs = pool, BS
+    prompt = encode(lm, "Trimming a pooled cache: " * 4)
+    table = mgr.create_block_table("trim")
+    seq = P.PoolSequence(mgr, table)
+    caches = P.make_pool_cache(lm.model, seq)
+    first = generate(lm.model, prompt, caches, 3 * bs)
+    seq.commit()
+    stored = seq.stored
+    assert all(c.is_trimmable() for c in caches)
+    cut = 2 * bs + 3
+    for c in caches:
+        assert c.trim(cut) == cut
+    assert seq.stored == stored - cut == caches[0].offset
+    assert mgr.get_block_table("trim").num_tokens == seq.stored
+    assert len(mgr.get_block_table("trim").block_ids) == -(-seq.stored // bs)
+    keep, tokens = seq.stored, prompt + first
+    m = cut - 2
+    again = generate(lm.model, tokens[keep:keep + 1], caches, m)
+    seq.commit()
+    assert again == tokens[keep + 1:keep + 1 + m]
+    ids = list(mgr.get_block_table("trim").block_ids)
+    for layer in range(len(lm.model.layers)):
+        k, v = mgr.read_kv(ids, layer)
+        n = seq.stored
+        assert mx.array_equal(k[:, :n], caches[layer].keys[0, :, :n])
+        assert mx.array_equal(v[:, :n], caches[layer].values[0, :, :n])
+    seq.release()
+    assert mgr.check() == []

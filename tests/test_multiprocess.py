@@ -36,7 +36,8 @@ def released(mgr) -> None:
     assert [h["slot"] for h in hold] == [mgr._p.slot], hold
     assert hold[0]["tables"] == hold[0]["loose_blocks"] == 0
     s = mgr.get_stats()
-    assert s.allocated_blocks == 1 and s.shared_blocks == 0 and s.total_tokens_cached == 0
+    assert s.allocated_blocks == 1 and s.shared_blocks == 0 and s.tokens_held == 0
+    assert s.refs_held == 0 and s.block_tables == 0
 
 
 @pytest.mark.timeout(120)

@@ -167,7 +167,8 @@ def _state(m):
     c = p.counters.copy()
     c[[L.C_OPS, L.C_LOCK_WAIT_NS, L.C_DIRTY, L.C_HOLDER]] = 0
     return (b["ref_count"].tobytes(), b["prev"].tobytes(), b["next"].tobytes(),
-            b["flags"].tobytes(), b["token_count"].tobytes(), p.refs.tobytes(),
+            b["flags"].tobytes(), b["token_count"].tobytes(), b["gen"].tobytes(),
+            p.chunks.tobytes(),
             p.slots["loose_head"].tobytes(), p.slots["loose_count"].tobytes(), c.tobytes(),
             {k: list(v) for k, v in m._refs.loose.items()})
 

@@ -367,8 +367,9 @@ def test_everything_a_departed_process_held_is_released(make_pool, spawn, how):
     assert mgr.free_blocks == free_before
     assert sorted(mgr.request_tables) == [rid]
     s = mgr.get_stats()
-    assert (s.allocated_blocks, s.shared_blocks, s.total_tokens_cached) == \
-        (stats_before.allocated_blocks, stats_before.shared_blocks, stats_before.total_tokens_cached)
+    assert (s.allocated_blocks, s.shared_blocks, s.tokens_held, s.refs_held) == \
+        (stats_before.allocated_blocks, stats_before.shared_blocks, stats_before.tokens_held,
+         stats_before.refs_held)
     assert os.path.exists(segment.path_for(mgr.name))    # leaving never removes the pool
     verify_blocks(mgr, pub, tokens, 0, "parent's table after the other left")
     if how == "close":
@@ -447,18 +448,19 @@ def test_dead_slot_is_reused_by_a_new_attacher(make_pool, spawn):
 
 
 # ------------------------------------------------------------ corrupt records
-def test_repair_cuts_a_list_at_a_record_naming_no_block(manager):
-    """Recovery walks every list bounded and cuts it before the first record
-    out of range, naming no block, or seen before: the records are the truth
-    only as far as they make sense."""
+def test_repair_cuts_a_list_at_an_id_naming_no_block(manager):
+    """Recovery walks every list bounded: a table is cut before the first id
+    naming no block (or a link out of range, or a chunk met before), a loose
+    list keeps its good ids: the lists are the truth only as far as they
+    make sense."""
     from shmcache import layout as L
     p = manager._p
     t = manager.create_block_table("a")
     manager.prepare_append(t, 12)                   # three blocks
     loose = manager.get_new_blocks(2)
-    recs = manager._refs.table_records(manager._table_index(t))
-    p.r_block[recs[1]] = 10**6                      # names no block
-    p.r_next[p.s_head[p.slot]] = p.s_head[p.slot]   # the loose list loops on itself
+    words = manager._refs.table_words(manager._table_index(t))
+    p.kw[words[1]] = 10**6                          # names no block
+    p.kw[manager._refs.loose[loose[0].block_id][0]] = -3
     p.c[L.C_DIRTY] = 1                              # as a holder dying mid-update leaves it
     assert manager.check() == []                    # repaired on taking the lock
     assert len(t.block_ids) == 1 and manager._p.s_count[p.slot] == 1
@@ -468,13 +470,32 @@ def test_repair_cuts_a_list_at_a_record_naming_no_block(manager):
     assert manager.free_blocks == 31 and manager.check() == []
 
 
+def test_repair_after_a_cycle_and_a_shared_chunk(manager):
+    from shmcache import layout as L
+    p = manager._p
+    a = manager.create_block_table("a")
+    manager.prepare_append(a, 4 * 20)               # twenty blocks: two chunks
+    b = manager.fork_block_table(a, "b")
+    ha, hb = p.t_head[manager._table_index(a)], p.t_head[manager._table_index(b)]
+    p.kw[ha * L.CHUNK_WORDS] = ha                   # a's first chunk links to itself
+    p.t_head[manager._table_index(b)] = ha          # and b starts there too
+    p.c[L.C_DIRTY] = 1
+    assert manager.check() == []
+    assert len(a.block_ids) == 15 and len(b.block_ids) == 0
+    manager.delete_block_table("a")
+    manager.delete_block_table("b")
+    assert manager.free_blocks == 31 and manager.check() == []
+    assert hb >= 0
+
+
 def test_an_operation_meeting_a_corrupt_list_raises_then_the_pool_is_whole(manager):
+    from shmcache import layout as L
     from shmcache.errors import CorruptPoolError
     p = manager._p
     t = manager.create_block_table("a")
-    manager.prepare_append(t, 12)
-    recs = manager._refs.table_records(manager._table_index(t))
-    p.r_next[recs[2]] = recs[0]                     # a cycle: walked forever before
+    manager.prepare_append(t, 4 * 20)               # two chunks
+    head = p.t_head[manager._table_index(t)]
+    p.kw[head * L.CHUNK_WORDS] = head               # a cycle: walked forever before
     with pytest.raises(CorruptPoolError, match="table 0's list") as ei:
         manager.fork_block_table(t, "b")
     assert "rebuilt" in str(ei.value)

@@ -188,25 +188,46 @@ def test_cow_not_done_for_unshared_last_block(kvpool):
     assert m.get_stats().cow_copies == 0
 
 
-def test_fix_get_blocks_for_generation_copies_only_last_partial(kvpool):
+def test_get_blocks_for_generation_copies_every_shared_block_as_the_seed(kvpool):
+    """The seed's method keeps the seed's behaviour: every shared block of
+    the table is copied (payload bytes and token count; the copy replaces
+    it in this table only). prepare_append is the path that copies only
+    the partly filled block."""
     m = kvpool
     t, ids = _prefill(m, "orig", 10, seed=4)           # 2 full + 2 tokens
-    before = payload(m, ids[2])
+    before = [payload(m, b) for b in ids]
     f = m.fork_block_table(t, "fork")
     blocks, copied = m.get_blocks_for_generation(f)
     assert copied is True
     got = [b.block_id for b in blocks]
-    assert got[:2] == ids[:2] and got[2] not in ids
-    assert payload(m, got[2]) == before
-    assert [m.blocks[i].ref_count for i in ids] == [2, 2, 1]
-    blocks, copied = m.get_blocks_for_generation(f)
+    assert not set(got) & set(ids) and len(set(got)) == 3
+    assert f.block_ids == got and t.block_ids == ids
+    assert [payload(m, b) for b in got] == before      # bytes, not references
+    assert [m.blocks[b].token_count for b in got] == [4, 4, 2]
+    assert [m.blocks[i].ref_count for i in ids] == [1, 1, 1]
+    assert [m.blocks[i].ref_count for i in got] == [1, 1, 1]
+    assert m.get_stats().cow_copies == 3
+    blocks, copied = m.get_blocks_for_generation(f)    # nothing shared any more
     assert copied is False and [b.block_id for b in blocks] == got
-    # a fork whose last block is full copies nothing
+    # no free block left for a copy: the shared block stays
     t2, ids2 = _prefill(m, "full", 4, seed=5)
     f2 = m.fork_block_table(t2, "full-fork")
+    rest = m.get_new_blocks(m.free_blocks)
     blocks, copied = m.get_blocks_for_generation(f2)
     assert copied is False and [b.block_id for b in blocks] == ids2
+    m.free_block_batch(rest)
     assert m.check() == []
+
+
+def test_prepare_append_copies_only_the_last_partial_block(kvpool):
+    m = kvpool
+    t, ids = _prefill(m, "orig", 10, seed=4)
+    f = m.fork_block_table(t, "fork")
+    got = m.prepare_append(f, 1)
+    assert len(got) == 1 and got[0].block_id not in ids
+    assert f.block_ids == ids[:2] + [got[0].block_id]
+    assert [m.blocks[i].ref_count for i in ids] == [2, 2, 1]
+    assert m.get_stats().cow_copies == 1
 
 
 def test_fix_cow_copy_block_copies_payload(kvpool):
@@ -229,7 +250,8 @@ def test_fix_evict_lru_blocks_keeps_order(manager):
     cached_table(manager, "a", 3)
     manager.delete_block_table("a")
     before = manager.free_block_queue.ids()
-    assert manager.evict_lru_blocks(50) == 3
+    # the seed's return value: the free blocks looked at, min(n, free)
+    assert manager.evict_lru_blocks(50) == manager.free_blocks == 31
     assert manager.free_block_queue.ids() == before
     assert len(manager.hash_to_block) == 0
     assert manager.get_stats().evictions == 3

@@ -74,7 +74,8 @@ def _too_big_params():
     while True:
         lay = L.compute_layout(kw["block_size"], kw["max_blocks"], True, kw["num_layers"],
                                kw["num_kv_heads"], kw["head_dim"], kw["dtype"], 64,
-                               min(max(64, kw["max_blocks"]), 4096), 2 * kw["max_blocks"] + 256)
+                               min(max(64, kw["max_blocks"]), 4096),
+                               L.default_max_refs(kw["max_blocks"], min(max(64, kw["max_blocks"]), 4096)))
         if lay.total_size > 2 * free:
             return kw, lay.total_size
         kw["num_layers"] *= 4

@@ -207,9 +207,11 @@ class PoolMachine(RuleBasedStateMachine):
         t = self.tables[rid]
         blocks, tok = t["blocks"], t["tok"]
         room = len(blocks) * BS - tok
-        # every existing block the new tokens land in must be private: copy the shared ones
+        # every existing block the new tokens land in must be private and
+        # unpublished: copy the shared and the cached ones
         first, end = tok // BS, min(len(blocks), -(-(tok + n) // BS))
-        cow = [i for i in range(first, end) if self.ref[blocks[i]] > 1] if n > 0 else []
+        cow = [i for i in range(first, end)
+               if self.ref[blocks[i]] > 1 or blocks[i] in self.cached] if n > 0 else []
         new = -(-(n - room) // BS) if n > room else 0
         if len(cow) + new > len(self.free):
             self.unchanged(self.m.prepare_append, OutOfBlocksError, rid, n)
@@ -310,7 +312,7 @@ class PoolMachine(RuleBasedStateMachine):
         for b in dropped:
             del self.cached[b]
         self.evictions += len(dropped)
-        assert n == len(dropped)
+        assert n == min(k, len(self.free))       # the seed's count: blocks looked at
 
     # ------------------------------------------------------- bad input
     @rule(data=st.data())
@@ -357,8 +359,7 @@ class PoolMachine(RuleBasedStateMachine):
             ]
             if len(self.tables) > 1:
                 cases.append((m.fork_block_table, ValueError, rid, max(self.tables)))
-            if not_loose:
-                cases.append((m.add_block_to_table, ValueError, rid, m.blocks[not_loose[0]], 1))
+            cases.append((m.add_block_to_table, ValueError, rid, m.blocks[0], 1))   # null
             if self.loose:
                 cases.append((m.add_block_to_table, ValueError, rid, m.blocks[min(self.loose)],
                               BS + 1))
@@ -399,7 +400,9 @@ class PoolMachine(RuleBasedStateMachine):
         assert s.allocated_blocks == len(alloc)
         assert s.free_blocks == len(self.free)
         assert s.shared_blocks == sum(1 for b in range(1, N) if self.ref[b] > 1)
-        assert s.total_tokens_cached == sum(self.tok[b] for b in alloc if b)
+        assert s.tokens_held == sum(self.tok[b] for b in alloc if b)
+        assert s.refs_held == sum(self.loose.values()) + sum(
+            len(t["blocks"]) for t in self.tables.values())
         assert (s.cache_hits, s.cache_misses, s.cow_copies, s.evictions) == \
             (self.hits, self.misses, self.cow, self.evictions)
         assert m.stats.free_blocks == len(self.free)

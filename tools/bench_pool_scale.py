@@ -122,7 +122,7 @@ def bench_create(seed, trials: int) -> list:
 
 def _meta_note(lay, nb) -> str:
     parts = [("blocks", lay.hash_off - lay.blocks_off), ("prefix index", lay.refs_off - lay.hash_off),
-             ("refs", lay.tables_off - lay.refs_off),
+             ("refs (chunks)", lay.tables_off - lay.refs_off),
              ("tables+index", lay.arena_off - lay.tables_off),
              ("header+slots", lay.blocks_off)]
     return "ours per block: " + ", ".join(f"{k} {v / nb:.1f}" for k, v in parts)

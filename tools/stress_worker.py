@@ -234,13 +234,13 @@ class Worker:
             if self.rng.random() < 0.2:
                 self.call(self.m.can_append, rid, len(new_tokens))
             self.call(self.m.prepare_append, rid, len(new_tokens))
+        except self.E_CAP:          # (an OutOfBlocksError too: caught first)
+            self.r["capacity_errors"] += 1
+            return
         except self.E_OOB:
             self.r["out_of_blocks"] += 1
             if self.rng.random() < 0.5:
                 self.op_delete()
-            return
-        except self.E_CAP:
-            self.r["capacity_errors"] += 1
             return
         rec[0] = rec[0] + list(new_tokens)
         ids = self.call(self.m.get_block_table, rid).block_ids
@@ -316,11 +316,11 @@ class Worker:
                 blocks = [b]
             else:
                 blocks = self.call(self.m.get_new_blocks, k)
+        except self.E_CAP:          # (an OutOfBlocksError too: caught first)
+            self.r["capacity_errors"] += 1
+            return
         except self.E_OOB:
             self.r["out_of_blocks"] += 1
-            return
-        except self.E_CAP:
-            self.r["capacity_errors"] += 1
             return
         for b in blocks:
             self.write_private(b.block_id)

@@ -373,7 +373,13 @@ class WorkerBackend:
                     w.flights.pop(rid, None)
         elif isinstance(msg, wire.Admitted):
             f = w.flights.get(msg.id)
-            if f is not None and not f.started:
+            if f is None:
+                return
+            # every admission (the first, a re-run after a preemption, or on
+            # another worker after a death) generates from the first token
+            # again: count anew, and pass on only what was not delivered
+            f.seen = [0] * len(f.seen)
+            if not f.started:
                 f.started = True
                 f.q.put_nowait(Started(msg.prompt_tokens, msg.cached_tokens, w.idx))
         elif isinstance(msg, wire.Failed):

@@ -45,11 +45,10 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Optional
 
 import httpx
 
-from tools.bench_serve import Server, _table, free_port
+from tools.bench_serve import Server, _ms, _table, free_port
 
 PROMPT_TOKENS = 2048
 SECRET = "bench-l2-secret"
@@ -402,10 +401,6 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1, default=str)
     return 0
-
-
-def _ms(v: Optional[float]) -> str:
-    return "n/a" if v is None else f"{v * 1e3:.0f}"
 
 
 def report(res: dict, args) -> str:

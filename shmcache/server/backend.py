@@ -307,12 +307,13 @@ class WorkerBackend:
         # list (evicted when taken), so get_stats()'s free_blocks counts it,
         # and its total_tokens_cached is the tokens of *referenced* blocks:
         # neither says what the prefix cache holds. Count the flags instead.
+        # NOTE: read without the pool lock: a scrape must not hold up the
+        # workers for a scan of every block, and a gauge may be a moment stale.
         n = m.max_blocks
-        with m._p.lock:
-            ref = m._p.blocks["ref_count"][1:n] > 0
-            cached = (m._p.blocks["flags"][1:n] & FLAG_CACHED) != 0
-            used, n_cached, free = int(ref.sum()), int(cached.sum()), int((~ref & ~cached).sum())
-            held = int((ref | cached).sum())
+        ref = m._p.blocks["ref_count"][1:n] > 0
+        cached = (m._p.blocks["flags"][1:n] & FLAG_CACHED) != 0
+        used, n_cached, free = int(ref.sum()), int(cached.sum()), int((~ref & ~cached).sum())
+        held = int((ref | cached).sum())
         lay = m.layout
         per_block = 2 * lay.num_layers * lay.num_kv_heads * lay.head_dim * lay.block_size * (
             4 if lay.dtype == "float32" else 2)

@@ -140,6 +140,11 @@ C_HOLDER = 14          # slot of the lock's holder (-1: none, or not attached ye
 C_TOKENS = 15          # the seed's total_tokens_cached: tokens added by
                        # add_block_to_table, less a block's token_count when
                        # it goes back to the free queue (a running count)
+# The L2 tier's counters (shmcache.l2), summed over every process of the
+# pool: each process adds its deltas under the pool lock now and then.
+L2_COUNTERS = ("lookups", "hits", "misses", "read_bytes", "writes", "written_bytes",
+               "dropped", "rejected", "timeouts", "errors", "outages")
+C_L2 = {name: 16 + i for i, name in enumerate(L2_COUNTERS)}   # counters 16..26
 C_FREE_CHUNK, C_FREE_CHUNKS = C_FREE_REF, C_FREE_REFS
 NUM_COUNTERS = 64
 

@@ -338,6 +338,30 @@ class PagedCacheManager(TableOps, PrefixOps):
                 "kv_bytes": self._p.layout.arena_size,
                 **{k: getattr(s, k) for k in s.CAPACITY}}
 
+    def add_counters(self, deltas) -> None:
+        """Add ``{counter index: delta}`` to the pool's shared counters, under the lock.
+
+        For statistics kept by layers above the pool (the L2 tier's,
+        ``layout.C_L2``); every process's additions sum.
+
+        Raises:
+            ValueError: an index outside the counter area, or one of the
+                pool's own counters (0..15), which only the pool writes.
+        """
+        items = [(int(i), int(d)) for i, d in dict(deltas).items()]
+        for i, _ in items:
+            if not 16 <= i < L.NUM_COUNTERS:
+                raise ValueError(f"counter index {i} is not one of 16..{L.NUM_COUNTERS - 1}")
+        with self._lock:
+            c = self._p.c
+            for i, d in items:
+                c[i] += d
+
+    def l2_counters(self) -> Dict[str, int]:
+        """The pool-wide L2 counters (``layout.L2_COUNTERS``), summed over every process."""
+        c = self._p.c
+        return {name: int(c[i]) for name, i in L.C_L2.items()}
+
     def reset_stats(self) -> None:
         with self._p.lock:
             for c in (L.C_HITS, L.C_MISSES, L.C_COW, L.C_EVICTIONS):

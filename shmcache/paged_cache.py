@@ -430,6 +430,59 @@ class PagedCacheManager(TableOps, PrefixOps):
                         "add it to one of its block tables, before writing its K/V")
         kv.write(p, b, layer, keys, values, start)
 
+    def export_blocks(self, block_ids) -> np.ndarray:
+        """A copy of whole blocks' K/V in the storage dtype, every layer at once.
+
+        For moving blocks between tiers (the L2 tier): one copy of n blocks
+        instead of a read per block and layer. bfloat16 pools give raw
+        uint16 words.
+
+        Args:
+            block_ids: ids (or blocks) this manager holds.
+        Returns:
+            ``# (L, n, 2, H, T, D)`` array; ``[:, i, 0]`` keys, ``[:, i, 1]`` values.
+        Raises:
+            ValueError: the null block, or a block this manager does not hold.
+        """
+        ids = self._checked_held(block_ids)
+        return self._p.arena[:, ids]
+
+    def import_blocks(self, block_ids, data) -> None:
+        """Write whole blocks' K/V, the inverse of :meth:`export_blocks`.
+
+        Args:
+            block_ids: n ids this manager holds (fresh, unpublished blocks:
+                published ones are read by others).
+            data: ``# (L, n, 2, H, T, D)`` in the storage dtype (raw uint16
+                words for bfloat16), or layers ``lo:hi`` of it with ``layers``.
+        Raises:
+            ValueError: the null block, an unheld block, or a shape or dtype
+                that is not the pool's.
+        """
+        ids = self._checked_held(block_ids)
+        a = self._p.arena
+        data = np.asarray(data)
+        want = (a.shape[0], len(ids)) + a.shape[2:]
+        if data.shape != want or data.dtype != a.dtype:
+            raise ValueError(f"block payloads must be {want} {a.dtype}, "
+                             f"not {data.shape} {data.dtype}")
+        a[:, ids] = data
+
+    def _checked_held(self, block_ids) -> list:
+        ids = self._bids(block_ids)
+        p = self._p
+        p.check_usable()
+        for b in ids:
+            if b == 0:
+                raise ValueError("the null block (block 0) has no K/V")
+        if not all(self._holds_fast(b) for b in ids):
+            with p.lock:
+                self._sync()
+                for b in ids:
+                    if not self._holds(b):
+                        raise ValueError(f"block {b} is not held by this manager")
+        return ids
+
     def append_kv(self, table: BlockTable, layer: int, keys, values, start: int) -> None:
         """Write a span of K/V, (num_kv_heads, T, head_dim), into ``table`` at
         token position ``start``, across as many blocks as it covers.

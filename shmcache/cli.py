@@ -226,9 +226,7 @@ def cmd_fsck(args) -> int:
         chunks_before = int(p.c[L.C_FREE_REFS])
         with p.lock:
             if problems:
-                recovery.repair(mgr)
-                mgr._refs.resync()
-                mgr._epoch = p.c[L.C_EPOCH]
+                recovery.repair(p)      # (the manager re-reads its lists: the epoch moved)
             released = mgr.reclaim_dead()
         after = recovery.scan_stats(p)
         print(f"{args.name}: repair: {'rebuilt derived state; ' if problems else ''}"

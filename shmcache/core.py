@@ -7,7 +7,6 @@ import logging
 import errno
 import os
 from hashlib import blake2b
-from typing import Tuple
 
 import numpy as np
 
@@ -16,22 +15,12 @@ from . import recovery
 from .blocks import (BlockHash, CacheBlock, PoolStats, chain_hash,
                      extra_bytes, token_bytes)
 from .errors import CapacityError, CorruptPoolError, PoolClosedError
-from .freelist import SharedFreeQueue
 from .pool import Pool
-from .refs import RefStore
+from .reclaim import reclaim_dead_slots, release_block, release_slot_holdings
+from .refs import RefStore, rid_key
 from .views import SharedBlock, SharedBlockTable
 
 logger = logging.getLogger("shmcache.paged_cache")
-
-
-def _rid_key(request_id) -> Tuple[bytes, int]:
-    if not isinstance(request_id, str) or not request_id:
-        raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
-    raw = request_id.encode()
-    if len(raw) > L.RID_BYTES or b"\x00" in raw:
-        raise ValueError(f"request_id {request_id!r} must be at most {L.RID_BYTES} "
-                         "UTF-8 bytes with no NUL")
-    return raw, int.from_bytes(chain_hash(b"rid", None, raw, b"")[:8], "little")
 
 
 def _locked_here_through_another(p: Pool) -> bool:
@@ -73,11 +62,11 @@ def _close(p: Pool, refs: RefStore, destroy: bool, finalizing: bool = False) -> 
     try:
         with p.lock:
             try:
-                _release_slot_holdings(p, refs, p.slot)
+                release_slot_holdings(p, refs, p.slot)
             except CorruptPoolError:
                 # Pool.corrupt has rebuilt the derived state from the lists:
                 # release what they now hold.
-                _release_slot_holdings(p, refs, p.slot)
+                release_slot_holdings(p, refs, p.slot)
             p.release_slot()
             # before the lock is released: a thread waiting for it must not
             # run an operation with no slot (slot -1 is another's slot)
@@ -97,51 +86,6 @@ def _close(p: Pool, refs: RefStore, destroy: bool, finalizing: bool = False) -> 
             from . import segment
             segment.unlink(p.name)
         p.unmap()
-
-
-def _release_block(p: Pool, fq: SharedFreeQueue, b: int) -> None:
-    r = p.b_ref[b] - 1
-    if r < 0:
-        raise p.corrupt(f"block {b} is referenced but its ref_count is {r + 1}")
-    p.b_ref[b] = r
-    if r == 0:
-        p.c[L.C_TOKENS] -= p.b_tok[b]       # as the seed's free_block
-        if p.b_flags[b] & L.FLAG_CACHED:
-            fq.append_id(b)
-        else:
-            fq.appendleft_id(b)
-
-
-def _release_slot_holdings(p: Pool, refs: RefStore, slot: int) -> int:
-    fq = SharedFreeQueue(p)
-    n = 0
-    for b in refs.pop_slot_loose(slot):
-        _release_block(p, fq, b)
-        n += 1
-    owned = np.flatnonzero((p.tables["state"] == 1) & (p.tables["owner"] == slot)).tolist()
-    for t in owned:
-        _unlink_table(p, refs, t)
-        for b in reversed(refs.pop_table(t)):
-            _release_block(p, fq, b)
-            n += 1
-    return n
-
-
-def reclaim_dead_slots(p: Pool, refs: RefStore) -> int:
-    """Release everything dead managers hold and free their slots (lock held)."""
-    n = 0
-    for s in p.dead_slots():
-        n += _release_slot_holdings(p, refs, s)
-        p.slots["state"][s] = 0
-    p.c[L.C_RECLAIMED] += n
-    return n
-
-
-def _unlink_table(p: Pool, refs: RefStore, t: int) -> None:
-    p.t_state[t] = 0           # commit: the table is gone
-    p.c[L.C_NUM_TABLES] -= 1
-    p.tindex.remove(t, int(p.tables["rid_hash"][t]))
-
 
 
 class PoolOps:
@@ -176,13 +120,6 @@ class PoolOps:
         if self._p.c[L.C_EPOCH] != self._epoch:
             self._refs.resync()
             self._epoch = self._p.c[L.C_EPOCH]
-
-    def _repair(self) -> None:
-        logger.warning("pool %r: previous lock holder died mid-update; repairing", self.name)
-        recovery.repair(self)
-        self._refs.resync()
-        self._epoch = self._p.c[L.C_EPOCH]
-        self._reclaimed_in_repair += self._reclaim_locked()
 
     def _block_hash(self, b: int):
         p = self._p
@@ -319,7 +256,7 @@ class PoolOps:
         self._refs.add_loose(b)
 
     def _release(self, b: int) -> bool:
-        _release_block(self._p, self._fq, b)
+        release_block(self._p, self._fq, b)
         return self._p.b_ref[b] == 0
 
     def _hashes(self, token_ids, n_blocks: int, extra_keys, parent=None, start=0) -> list:
@@ -353,7 +290,7 @@ class PoolOps:
                 return self._checked_table(t)
             raise KeyError(f"block table {table.request_id!r} no longer exists")
         rid = getattr(table, "request_id", table)
-        raw, h = _rid_key(rid)
+        raw, h = rid_key(rid)
         t = self._tindex.find(raw, h)
         if t < 0:
             raise KeyError(f"no block table for request {rid!r}")
@@ -373,7 +310,7 @@ class PoolOps:
         raw = bytes(self._p.tables["request_id"][t])
         try:
             rid = raw.decode()
-            if _rid_key(rid)[1] == int(self._p.tables["rid_hash"][t]):
+            if rid_key(rid)[1] == int(self._p.tables["rid_hash"][t]):
                 return rid
         except (TypeError, ValueError):         # (UnicodeDecodeError is a ValueError)
             pass
@@ -390,7 +327,7 @@ class PoolOps:
 
     def _new_table(self, request_id: str) -> int:
         p = self._p
-        raw, h = _rid_key(request_id)
+        raw, h = rid_key(request_id)
         if self._tindex.find(raw, h) >= 0:
             raise ValueError(f"a block table for request {request_id!r} already exists")
         free = np.flatnonzero(p.tables["state"] == 0)

@@ -17,7 +17,7 @@ before its first and no cached block is orphaned by losing its parent.
 from __future__ import annotations
 
 from .errors import OutOfBlocksError
-from .layout import C_NUM_FREE, C_TOKENS
+from .layout import C_NUM_FREE
 
 
 class SharedFreeQueue:
@@ -99,95 +99,3 @@ class SharedFreeQueue:
         if limit is None and b != p.TAIL:
             raise p.corrupt("free list: longer than the pool (a cycle)")
         return out
-
-    # ---- read-only seed names (the manager's queue is SeedFreeQueue) ------
-    def get_all_free_blocks(self) -> list:
-        with self.p.lock:
-            return [self.p.view(b) for b in self.ids()]
-
-
-class SeedFreeQueue(SharedFreeQueue):
-    """A manager's ``free_block_queue``: the seed's ``FreeKVCacheBlockQueue``
-    calls over the shared free list, with the references they imply
-    accounted for, so that no referenced block is ever on the free list.
-
-    - ``popleft``/``popleft_n``/``remove`` take blocks off the free list and
-      give this manager a reference on each (as ``touch`` does: a cached
-      block keeps its cache entry);
-    - ``append``/``append_n`` put back blocks on which this manager holds the
-      only reference (one it holds outside its tables): that reference is
-      released and the block goes to the back (MRU). Any other block is
-      refused with ``ValueError``: a block someone else references, one held
-      in a table, one already free, the null block.
-    """
-
-    def __init__(self, mgr) -> None:
-        super().__init__(mgr._p)
-        self._m = mgr
-
-    def _taken(self, ids: list) -> list:
-        m = self._m
-        p = self.p
-        for b in ids:
-            p.b_ref[b] = 1
-            p.b_last[b] = p.now()
-            m._refs.add_loose(b)
-        return [p.view(b) for b in ids]
-
-    def popleft(self):
-        with self.p.lock:
-            self._m._sync()
-            self._m._refs.need(1)
-            return self._taken([self.popleft_id()])[0]
-
-    def popleft_n(self, n: int) -> list:
-        with self.p.lock:
-            self._m._sync()
-            if n > self.num_free_blocks:
-                raise OutOfBlocksError(f"Need {n} blocks, have {self.num_free_blocks}")
-            self._m._refs.need(n)
-            return self._taken([self.popleft_id() for _ in range(n)])
-
-    def remove(self, block) -> None:
-        m = self._m
-        with self.p.lock:
-            m._sync()
-            b = m._bid(block)
-            p = self.p
-            if p.b_ref[b] != 0 or p.b_prev[b] < 0 or p.b_next[b] < 0:
-                raise RuntimeError(f"Block {b} not in free queue")
-            m._refs.need(1)
-            self.remove_id(b)
-            self._taken([b])
-
-    def _check_put_back(self, ids: list) -> None:
-        m, p = self._m, self.p
-        want: dict = {}
-        for b in ids:
-            want[b] = want.get(b, 0) + 1
-        for b, k in want.items():
-            if b == 0:
-                raise ValueError("the null block (block 0) never goes on the free queue")
-            if p.b_ref[b] == 0:
-                raise ValueError(f"block {b} is already in the free queue")
-            if k > 1 or p.b_ref[b] != 1 or not m._refs.holds_loose(b):
-                raise ValueError(
-                    f"block {b} is referenced (ref_count {p.b_ref[b]}) and not only by a "
-                    "reference this manager holds outside its tables: it cannot go on the "
-                    "free queue (free_block drops a reference)")
-
-    def append(self, block) -> None:
-        self.append_n([block])
-
-    def append_n(self, blocks) -> None:
-        m = self._m
-        with self.p.lock:
-            m._sync()
-            ids = [m._bid(b) for b in blocks]
-            self._check_put_back(ids)
-            p = self.p
-            for b in ids:
-                m._refs.drop_loose(b)
-                p.b_ref[b] = 0
-                p.c[C_TOKENS] -= p.b_tok[b]
-                self.append_id(b)

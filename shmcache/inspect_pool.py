@@ -202,7 +202,6 @@ class PoolView:
             recovery.scan_stats of the copy, "tables": int, "holders":
             [holdings]}.
         """
-        from .core import PoolOps
         from .pool import Pool
         lay, c = self.layout, self.c
         deadline = time.monotonic() + settle
@@ -220,10 +219,7 @@ class PoolView:
             time.sleep(0.001)
         snap = _Snapshot(self.name, lay, bytearray(data))
         Pool._map_views(snap, arena=False)
-        ops = PoolOps.__new__(PoolOps)
-        ops._p, ops.max_blocks = snap, lay.max_blocks
-        ops._hindex, ops._hhome, ops._tindex = snap.hindex, snap.hhome, snap.tindex
-        problems = recovery.check(ops)
+        problems = recovery.check(snap)
         holders = []
         t = snap.tables
         live_t = t["state"] == 1

@@ -30,35 +30,23 @@ from . import recovery
 from .blocks import (BlockHash, BlockHashToBlockMap, BlockTable, CacheBlock, CacheStats,
                      FreeKVCacheBlockQueue, KVCacheBlock, compute_block_hash)
 from .errors import CapacityError, OutOfBlocksError
-from .freelist import SeedFreeQueue, SharedFreeQueue
+from .freelist import SharedFreeQueue
 from .fastpath import alloc_loose, free_loose
 from .pool import Pool
-from .core import _close, _release_slot_holdings
+from .core import _close
+from .reclaim import release_slot_holdings
 from .prefix import PrefixOps
 from .tables import TableOps
 from .refs import RefStore
-from .views import (AllocatedBlocksView, BlocksView, LegacyHashView, RequestTablesView,
-                    SharedBlock, SharedHashMap, SharedStats)
+from .seed_views import (AllocatedBlocksView, BlocksView, LegacyHashView, RequestTablesView,
+                         SeedFreeQueue, SharedHashMap, SharedStats)
+from .views import SharedBlock
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["BlockHash", "CacheBlock", "KVCacheBlock", "FreeKVCacheBlockQueue",
            "BlockHashToBlockMap", "BlockTable", "CacheStats", "PagedCacheManager",
            "compute_block_hash"]
-
-
-def _weak_on_dirty(wmgr, p):
-    """The pool's repair hook, holding its manager weakly. Once the manager is
-    collected (its finalizer is closing the pool) repair runs without it."""
-    def on_dirty() -> None:
-        m = wmgr()
-        if m is not None:
-            m._repair()
-        else:
-            from types import SimpleNamespace
-            recovery.repair(SimpleNamespace(_p=p, _hindex=p.hindex, _hhome=p.hhome,
-                                            _tindex=p.tindex))
-    return on_dirty
 
 
 class PagedCacheManager(TableOps, PrefixOps):
@@ -96,18 +84,12 @@ class PagedCacheManager(TableOps, PrefixOps):
         self._tcache: Dict[int, tuple] = {}     # tables created here (see _holds)
         self._cdata: Dict[int, tuple] = {}      # block -> (generation, cache_data)
         self._cdata_prune = 64
-        self._reclaimed_in_repair = 0
         self._epoch = p.c[L.C_EPOCH]
         self._fq = SharedFreeQueue(p)
         self._root = p.seed
         self._hhome = p.hhome
         self._hindex = p.hindex
         self._tindex = p.tindex
-        # Weak: the finalizer below holds the pool, so a strong pool -> manager
-        # link would keep the manager alive forever (never collected).
-        p.on_dirty = _weak_on_dirty(weakref.ref(self), p)
-        _wself = weakref.ref(self)
-        p.view = lambda b: SharedBlock(_wself(), b)
         self._lock = p.lock
         self.free_block_queue = SeedFreeQueue(self)
         self.cached_block_hash_to_block = SharedHashMap(self)
@@ -392,7 +374,7 @@ class PagedCacheManager(TableOps, PrefixOps):
             self._sync()
             p = self._p
             for s in np.flatnonzero(p.slots["state"] == 1).tolist():
-                _release_slot_holdings(p, self._refs, s)
+                release_slot_holdings(p, self._refs, s)
             self._uncache_all()
             self._drop_payloads()
             p.c[L.C_EPOCH] += 1
@@ -519,7 +501,7 @@ class PagedCacheManager(TableOps, PrefixOps):
         """Every violated invariant, one line each; empty when consistent."""
         with self._p.lock:
             self._p.check_usable()
-            return recovery.check(self)
+            return recovery.check(self._p)
 
     def reclaim_dead(self) -> int:
         """Release everything held by managers whose process died.
@@ -529,7 +511,8 @@ class PagedCacheManager(TableOps, PrefixOps):
         """
         with self._p.lock:
             self._sync()
-            n, self._reclaimed_in_repair = self._reclaimed_in_repair, 0
+            p = self._p
+            n, p.reclaimed_in_repair = p.reclaimed_in_repair, 0
             return n + self._reclaim_locked()
 
     def holdings(self) -> List[Dict[str, Any]]:

@@ -7,6 +7,7 @@ of the paged-cache API; ``PagedCacheManager`` builds that on top.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import weakref
@@ -15,11 +16,14 @@ import numpy as np
 import psutil
 
 from . import layout as L
-from . import segment
+from . import recovery, segment
+from .reclaim import reclaim_dead_slots
 from .index import OpenIndex
 from .errors import CapacityError, CorruptPoolError, PoolClosedError
 from .lock import PoolLock, ofd_held_by_other, ofd_lock, ofd_unlock
 from .mutex import open_hot
+
+logger = logging.getLogger("shmcache.paged_cache")
 
 _live_pools: "weakref.WeakSet[Pool]" = weakref.WeakSet()
 
@@ -87,7 +91,7 @@ class Pool:
         self.lock = PoolLock(self.native, self.c, self._on_dirty)
         self.lock.check_usable = self.check_usable
         self.lock.unusable = False
-        self.on_dirty = None        # set by the manager: repair + reclaim
+        self.reclaimed_in_repair = 0     # references released by repairs, not yet reported
         _live_pools.add(self)
 
     def _open_native(self):
@@ -312,13 +316,12 @@ class Pool:
             if not (st == 0).any() and not self.lock._keep_dirty:
                 # No free slot: release what dead holders left so their slots
                 # can be reused (a clean pool only; a dirty one waits for repair).
-                from .core import reclaim_dead_slots   # core imports this module
-                from .refs import RefStore
-                reclaim_dead_slots(self, RefStore(self))
+                reclaim_dead_slots(self)
             for s in np.flatnonzero(st == 0).tolist() + np.flatnonzero(st == 1).tolist():
                 if st[s] == 1:
-                    if self.slot_alive(s) or self.on_dirty is None:
-                        continue
+                    # a dead holder's slot: reused only once reclaimed (above,
+                    # or by the next reclaim), never with its references in it
+                    continue
                 if ofd_lock(self.live_fd, self._liveness_off(s)):
                     sl = self.slots[s]
                     sl["pid"] = os.getpid()
@@ -340,12 +343,20 @@ class Pool:
             self.slot = self.lock.slot = -1
 
     def _on_dirty(self):
-        if self.on_dirty is None:
-            return False        # not repaired: the lock keeps the pool dirty
+        # The lock found the pool dirty (its previous holder died mid-update)
+        # or corruption was met: rebuild the derived state from the lists,
+        # then release what dead holders held. Managers see the epoch move
+        # and re-read their process-local maps.
+        if self.closed or self.slot < 0:
+            # not repaired (closed, or still attaching: the repair is the
+            # first attached holder's): the lock keeps the pool dirty
+            return False
+        logger.warning("pool %r: previous lock holder died mid-update; repairing", self.name)
         self._await_dead_holder()
         self._repairing = True      # (corruption met while repairing repairs nothing)
         try:
-            self.on_dirty()
+            recovery.repair(self)
+            self.reclaimed_in_repair += reclaim_dead_slots(self)
         finally:
             self._repairing = False
 

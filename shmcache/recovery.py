@@ -119,14 +119,21 @@ def _free_chunk_list(p, limit: int):
     return out, False
 
 
+def block_hash_bytes(p, b: int) -> bytes:
+    """The 16-byte chain hash stored in block ``b``'s record."""
+    off = p.layout.blocks_off + b * L.BLOCK_DTYPE.itemsize + L.BLOCK_HASH_OFF
+    return bytes(p.raw[off:off + L.HASH_BYTES])
+
+
 def _plain(index) -> OpenIndex:
     # The same index, reporting corruption by a plain exception: check()
     # changes nothing (the pool's own indexes repair before raising).
     return OpenIndex(index.slots, index.home_of, index.matches, index.limit, name=index.name)
 
 
-def check(mgr) -> list:
-    p = mgr._p
+def check(p) -> list:
+    """Every inconsistency between the pool's lists and its derived state
+    (lock held; changes nothing). ``p`` is a mapped pool (``pool.Pool``)."""
     lay = p.layout
     n = lay.max_blocks
     out: list = []
@@ -208,11 +215,11 @@ def check(mgr) -> list:
     if set(entries) != cached:
         out.append(f"prefix index has {len(set(entries))} blocks, {len(cached)} are flagged cached "
                    f"(differ: {sorted(set(entries) ^ cached)[:10]})")
-    hindex, tindex = _plain(mgr._hindex), _plain(mgr._tindex)
+    hindex, tindex = _plain(p.hindex), _plain(p.tindex)
     for e in entries:
         if 0 <= e < n:
             try:
-                found = hindex.find(mgr._block_hash(e), mgr._hhome(e))
+                found = hindex.find(block_hash_bytes(p, e), p.hhome(e))
             except CorruptPoolError as ex:
                 out.append(f"block {e}: {ex}")
                 break
@@ -243,9 +250,8 @@ def check(mgr) -> list:
     return out
 
 
-def repair(mgr) -> None:
+def repair(p) -> None:
     """Rebuild every derived structure from the lists (lock held)."""
-    p = mgr._p
     lay = p.layout
     n = lay.max_blocks
     b = p.blocks
@@ -331,11 +337,11 @@ def repair(mgr) -> None:
     # indexes
     p.hidx[:] = -1
     for e in np.flatnonzero(flags & L.FLAG_CACHED).tolist():
-        mgr._hindex.insert(e, mgr._hhome(e))
+        p.hindex.insert(e, p.hhome(e))
     p.tidx[:] = -1
     live = np.flatnonzero(p.tables["state"] == 1).tolist()
     for t in live:
-        mgr._tindex.insert(t, int(p.tables["rid_hash"][t]))
+        p.tindex.insert(t, int(p.tables["rid_hash"][t]))
     p.c[L.C_NUM_TABLES] = len(live)
     p.c[L.C_RECOVERIES] += 1
     p.c[L.C_EPOCH] += 1

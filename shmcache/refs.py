@@ -43,10 +43,34 @@ whenever it could be stale, and never consulted by anyone else.
 
 from __future__ import annotations
 
+from .blocks import chain_hash
 from .errors import CapacityError
-from .layout import C_FREE_REF, C_FREE_REFS, CHUNK_IDS, CHUNK_WORDS
+from .layout import C_FREE_REF, C_FREE_REFS, C_NUM_TABLES, CHUNK_IDS, CHUNK_WORDS, RID_BYTES
 
 CI, CW = CHUNK_IDS, CHUNK_WORDS
+
+
+def rid_key(request_id) -> tuple:
+    """``(raw bytes, 64-bit hash)`` of a request id: a table's key in the table index.
+
+    Raises:
+        TypeError: not a non-empty str. ValueError: over ``RID_BYTES``
+            UTF-8 bytes, or a NUL in it.
+    """
+    if not isinstance(request_id, str) or not request_id:
+        raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
+    raw = request_id.encode()
+    if len(raw) > RID_BYTES or b"\x00" in raw:
+        raise ValueError(f"request_id {request_id!r} must be at most {RID_BYTES} "
+                         "UTF-8 bytes with no NUL")
+    return raw, int.from_bytes(chain_hash(b"rid", None, raw, b"")[:8], "little")
+
+
+def unlink_table(p, t: int) -> None:
+    """Remove table ``t`` from the live tables (its list is left to pop)."""
+    p.t_state[t] = 0           # commit: the table is gone
+    p.c[C_NUM_TABLES] -= 1
+    p.tindex.remove(t, int(p.tables["rid_hash"][t]))
 
 
 def chunks_for(n: int) -> int:

@@ -15,7 +15,8 @@ from .views import SharedBlock
 
 logger = logging.getLogger("shmcache.paged_cache")
 
-from .core import PoolOps, _rid_key, _unlink_table
+from .core import PoolOps
+from .refs import rid_key, unlink_table
 
 
 class TableOps(PoolOps):
@@ -33,7 +34,7 @@ class TableOps(PoolOps):
 
     def get_block_table(self, request_id: str) -> Optional[BlockTable]:
         """The table of ``request_id`` (from any process), or None."""
-        raw, h = _rid_key(request_id)
+        raw, h = rid_key(request_id)
         with self._p.lock:
             self._sync()
             t = self._tindex.find(raw, h)
@@ -54,7 +55,7 @@ class TableOps(PoolOps):
             self._sync()
             t = self._table_index(request_id)
             self._tcache.pop(t, None)
-            _unlink_table(self._p, self._refs, t)
+            unlink_table(self._p, t)
             for b in reversed(self._refs.pop_table(t)):
                 self._release(b)
 
@@ -84,7 +85,7 @@ class TableOps(PoolOps):
         with self._p.lock:
             self._sync()
             src = self._table_index(source_table)
-            _rid_key(new_request_id)
+            rid_key(new_request_id)
             p = self._p
             chunks = self._refs.table_chain(src)        # (checked before anything changes)
             blocks = self._refs.table_blocks(src)

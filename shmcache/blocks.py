@@ -52,6 +52,34 @@ def chain_hash(root: bytes, parent: Optional[bytes], data: bytes, extra: bytes) 
     return h.digest()
 
 
+def chain_hashes(root: bytes, block_size: int, token_ids, n_blocks: int, extra_keys=None,
+                 parent: Optional[bytes] = None, start: int = 0) -> List[bytes]:
+    """Chain hashes of blocks ``start .. n_blocks-1`` of ``token_ids``.
+
+    Block i's hash covers its parent's (``parent`` for block ``start``, the
+    pool's ``root`` at the first block), its ``block_size`` tokens and the
+    ``extra_keys`` salt. Raises as ``token_bytes``.
+    """
+    data = token_bytes(token_ids)
+    extra = extra_bytes(extra_keys)
+    step = 4 * block_size
+    out = []
+    h = parent
+    if extra:
+        for i in range(start, n_blocks):
+            h = chain_hash(root, h, data[i * step:(i + 1) * step], extra)
+            out.append(h)
+        return out
+    h = h or root
+    blake2b = hashlib.blake2b
+    for i in range(start * step, n_blocks * step, step):   # chain_hash, inlined: the hot loop
+        d = blake2b(h, digest_size=HASH_BYTES)
+        d.update(data[i:i + step])
+        h = d.digest()
+        out.append(h)
+    return out
+
+
 def extra_bytes(extra_keys) -> bytes:
     if not extra_keys:
         return b""

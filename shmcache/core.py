@@ -4,88 +4,18 @@ public operation is built from, and the release paths recovery uses."""
 from __future__ import annotations
 
 import logging
-import errno
-import os
-from hashlib import blake2b
 
 import numpy as np
 
 from . import layout as L
 from . import recovery
-from .blocks import (BlockHash, CacheBlock, PoolStats, chain_hash,
-                     extra_bytes, token_bytes)
-from .errors import CapacityError, CorruptPoolError, PoolClosedError
-from .pool import Pool
-from .reclaim import reclaim_dead_slots, release_block, release_slot_holdings
-from .refs import RefStore, rid_key
+from .blocks import CacheBlock, PoolStats, chain_hashes
+from .errors import CapacityError
+from .reclaim import reclaim_dead_slots, release_block
+from .refs import rid_key
 from .views import SharedBlock, SharedBlockTable
 
 logger = logging.getLogger("shmcache.paged_cache")
-
-
-def _locked_here_through_another(p: Pool) -> bool:
-    """Whether this thread holds (or is taking) the lock of ``p``'s segment
-    through another manager of this process. The mutex belongs to the thread
-    that took it, so taking ``p``'s own lock would then fail with EDEADLK
-    (a finalizer run by the GC inside that manager's op)."""
-    from .pool import _live_pools
-    try:
-        st = os.fstat(p.fd)
-    except OSError:
-        return False
-    for q in list(_live_pools):
-        if q is p or q.closed or q._forked or not q.lock._tlock._is_owned():
-            continue
-        try:
-            sq = os.fstat(q.fd)
-        except OSError:
-            continue
-        if (sq.st_dev, sq.st_ino) == (st.st_dev, st.st_ino):
-            return True
-    return False
-
-
-def _close(p: Pool, refs: RefStore, destroy: bool, finalizing: bool = False) -> None:
-    as_dead = (finalizing and not (p.closed or p._forked)
-               and _locked_here_through_another(p))
-    if as_dead and p.slot >= 0:
-        # Leave as a death would: drop the liveness byte now, and whoever
-        # reclaims next releases what this manager held.
-        from .lock import ofd_unlock
-        ofd_unlock(p.live_fd, p._liveness_off(p.slot))
-    if p.closed or p._forked or as_dead:
-        if destroy and p.creator and not p.private:
-            from . import segment
-            segment.unlink(p.name)
-        p.unmap()
-        return
-    try:
-        with p.lock:
-            try:
-                release_slot_holdings(p, refs, p.slot)
-            except CorruptPoolError:
-                # Pool.corrupt has rebuilt the derived state from the lists:
-                # release what they now hold.
-                release_slot_holdings(p, refs, p.slot)
-            p.release_slot()
-            # before the lock is released: a thread waiting for it must not
-            # run an operation with no slot (slot -1 is another's slot)
-            p.lock.unusable = True
-    except PoolClosedError:
-        pass                    # another thread closed it while we waited
-    except OSError as e:
-        # EDEADLK: this thread holds the pool mutex through a C fast path
-        # of another manager (a finalizer run by the GC inside it). Leave as
-        # a death would; whoever reclaims next releases what we held.
-        if e.errno != errno.EDEADLK or p.slot < 0:
-            raise
-        from .lock import ofd_unlock
-        ofd_unlock(p.live_fd, p._liveness_off(p.slot))
-    finally:
-        if destroy and p.creator and not p.private:
-            from . import segment
-            segment.unlink(p.name)
-        p.unmap()
 
 
 class PoolOps:
@@ -121,34 +51,6 @@ class PoolOps:
             self._refs.resync()
             self._epoch = self._p.c[L.C_EPOCH]
 
-    def _block_hash(self, b: int):
-        p = self._p
-        if not p.b_flags[b] & L.FLAG_CACHED:
-            return None
-        off = p.layout.blocks_off + b * L.BLOCK_DTYPE.itemsize + L.BLOCK_HASH_OFF
-        return BlockHash(bytes(p.raw[off:off + L.HASH_BYTES]))
-
-    def _lookup_hash(self, h: bytes) -> int:
-        if len(h) != L.HASH_BYTES:
-            return -1
-        return self._hindex.find(h, int.from_bytes(h[:8], "little"))
-
-    def _cached_ids(self) -> list:
-        f = self._p.blocks["flags"][: self.max_blocks]
-        return np.flatnonzero(f & L.FLAG_CACHED).tolist()
-
-    def _cache(self, b: int, h: bytes) -> None:
-        p = self._p
-        off = p.layout.blocks_off + b * L.BLOCK_DTYPE.itemsize + L.BLOCK_HASH_OFF
-        p.raw[off:off + L.HASH_BYTES] = h
-        p.b_flags[b] |= L.FLAG_CACHED
-        self._hindex.insert(b, int.from_bytes(h[:8], "little"))
-
-    def _uncache(self, b: int) -> None:
-        p = self._p
-        self._hindex.remove(b, self._hhome(b))
-        p.b_flags[b] &= ~L.FLAG_CACHED & 0xFFFF
-
     def _set_block_hash(self, b: int, h) -> None:
         with self._p.lock:
             b = self._bid(b)
@@ -159,9 +61,9 @@ class PoolOps:
             if h is not None and not self.enable_caching:
                 return
             if self._p.b_flags[b] & L.FLAG_CACHED:
-                self._uncache(b)
+                self._index.remove(b)
             if h is not None:
-                self._cache(b, bytes(h))
+                self._index.add(b, bytes(h))
 
     def _set_ref_count(self, b: int, v) -> None:
         if type(v) is int and v == self._p.b_ref[b]:
@@ -227,7 +129,7 @@ class PoolOps:
         p = self._p
         b = self._fq.popleft_id()
         if p.b_flags[b] & L.FLAG_CACHED:
-            self._uncache(b)
+            self._index.remove(b)
             p.c[L.C_EVICTIONS] += 1
         p.b_ref[b] = 1
         p.b_tok[b] = 0
@@ -260,27 +162,8 @@ class PoolOps:
         return self._p.b_ref[b] == 0
 
     def _hashes(self, token_ids, n_blocks: int, extra_keys, parent=None, start=0) -> list:
-        data = token_bytes(token_ids)
-        extra = extra_bytes(extra_keys)
-        if extra:
-            return self._chain(data, n_blocks, extra, parent, start)
-        step = 4 * self.block_size
-        out = []
-        h = parent or self._root
-        for i in range(start * step, n_blocks * step, step):   # chain_hash, inlined
-            d = blake2b(h, digest_size=16)
-            d.update(data[i:i + step])
-            h = d.digest()
-            out.append(h)
-        return out
-
-    def _chain(self, data: bytes, n_blocks: int, extra: bytes, parent=None, start=0) -> list:
-        step = 4 * self.block_size
-        out = []
-        for i in range(start, n_blocks):
-            parent = chain_hash(self._root, parent, data[i * step:(i + 1) * step], extra)
-            out.append(parent)
-        return out
+        return chain_hashes(self._root, self.block_size, token_ids, n_blocks, extra_keys,
+                            parent, start)
 
     def _table_index(self, table) -> int:
         p = self._p

@@ -62,7 +62,7 @@ def alloc_loose(mgr, n: int) -> list:
         nb = nxt[b]
         prv[b] = nxt[b] = -1
         if flags[b] & FLAG_CACHED:
-            mgr._uncache(b)
+            mgr._index.remove(b)
             c[C_EVICTIONS] += 1
         ref[b] = 1
         tok[b] = 0

@@ -1,7 +1,8 @@
-"""Open-addressing hash index in shared memory.
+"""The prefix index, and the open-addressing hash index it is built on.
 
-Used twice: chain hash -> block_id (the prefix cache, several blocks per hash
-allowed) and request id -> table index. Keys live in the records the entries
+``OpenIndex`` is used twice: chain hash -> block_id (the prefix cache, several
+blocks per hash allowed; ``PrefixIndex`` owns it) and request id -> table
+(the tables' index). Keys live in the records the entries
 point at, so an entry is one int32; -1 marks an empty slot.
 
 Invariant: every live entry is reachable from its home slot by linear
@@ -15,7 +16,10 @@ the records, so a holder dying mid-shift loses nothing.
 
 from __future__ import annotations
 
+import numpy as np
+
 from .errors import CorruptPoolError
+from .layout import BLOCK_DTYPE, BLOCK_HASH_OFF, FLAG_CACHED, HASH_BYTES
 
 
 def _corrupt(what: str) -> Exception:
@@ -128,3 +132,108 @@ class OpenIndex:
 
     def count(self) -> int:
         return sum(1 for e in self.slots if e >= 0)
+
+
+class PrefixIndex:
+    """The prefix cache's index over one pool: chain hash -> cached block.
+
+    A block is *cached* when its record has ``FLAG_CACHED`` and its chain
+    hash, and the index holds its id. Callers hold the pool lock.
+
+    Invariant: the index holds exactly the blocks flagged cached, each found
+    from the hash in its record (``recovery.check`` verifies it and
+    ``recovery.repair`` rebuilds the index from the flags).
+    NOTE: the probes of ``find_chain`` and ``add_many`` are ``OpenIndex``'s,
+    written out: they run once per block of every prompt, and a call per
+    probe would double their cost.
+    """
+
+    def __init__(self, p) -> None:
+        self.p = p
+        self.ix = p.hindex
+        self._boff = p.layout.blocks_off + BLOCK_HASH_OFF
+        self._isz = BLOCK_DTYPE.itemsize
+
+    def _at(self, b: int) -> int:
+        return self._boff + b * self._isz
+
+    def hash_of(self, b: int):
+        """Block ``b``'s chain hash (16 bytes), or None when it is not cached."""
+        if not self.p.b_flags[b] & FLAG_CACHED:
+            return None
+        o = self._at(b)
+        return bytes(self.p.raw[o:o + HASH_BYTES])
+
+    def find(self, h: bytes) -> int:
+        """A block cached under ``h``, or -1."""
+        if len(h) != HASH_BYTES:
+            return -1
+        return self.ix.find(h, int.from_bytes(h[:8], "little"))
+
+    def find_chain(self, hashes) -> list:
+        """Blocks of the longest cached run of ``hashes``, from the first."""
+        p, ix = self.p, self.ix
+        slots, mask = ix.slots, ix.mask
+        raw, isz, boff = p.raw, self._isz, self._boff
+        n = p.layout.max_blocks
+        found = []
+        for h in hashes:
+            i = int.from_bytes(h[:8], "little") & mask
+            for _ in range(mask + 1):
+                e = slots[i]
+                if e < 0:
+                    return found
+                if not 0 < e < n:           # (block 0 is never cached)
+                    raise ix._bad_entry(e, i)
+                if raw[boff + e * isz: boff + e * isz + 16] == h:
+                    break
+                i = (i + 1) & mask
+            else:
+                raise ix._full()
+            found.append(e)
+        return found
+
+    def add(self, b: int, h: bytes) -> None:
+        """Cache block ``b`` under ``h`` (it must not be cached)."""
+        p = self.p
+        o = self._at(b)
+        p.raw[o:o + HASH_BYTES] = h
+        p.b_flags[b] |= FLAG_CACHED
+        self.ix.insert(b, int.from_bytes(h[:8], "little"))
+
+    def add_many(self, ids, hashes) -> list:
+        """Cache each uncached block of ``ids`` under its hash.
+
+        Returns:
+            The ids newly cached (those already cached keep their hash).
+        """
+        p, ix = self.p, self.ix
+        slots, mask = ix.slots, ix.mask
+        flags, raw, isz, boff = p.b_flags, p.raw, self._isz, self._boff
+        added = []
+        for b, h in zip(ids, hashes):
+            if flags[b] & FLAG_CACHED:
+                continue
+            i = int.from_bytes(h[:8], "little") & mask
+            for _ in range(mask + 1):
+                if slots[i] < 0:
+                    break
+                i = (i + 1) & mask
+            else:
+                raise ix._full()
+            raw[boff + b * isz: boff + b * isz + 16] = h
+            flags[b] |= FLAG_CACHED
+            slots[i] = b
+            added.append(b)
+        return added
+
+    def remove(self, b: int) -> None:
+        """Uncache block ``b``."""
+        p = self.p
+        self.ix.remove(b, p.hhome(b))
+        p.b_flags[b] &= ~FLAG_CACHED & 0xFFFF
+
+    def cached_ids(self) -> list:
+        """Every cached block id, ascending."""
+        f = self.p.blocks["flags"][: self.p.layout.max_blocks]
+        return np.flatnonzero(f & FLAG_CACHED).tolist()

@@ -31,10 +31,10 @@ from .blocks import (BlockHash, BlockHashToBlockMap, BlockTable, CacheBlock, Cac
                      FreeKVCacheBlockQueue, KVCacheBlock, compute_block_hash)
 from .errors import CapacityError, OutOfBlocksError
 from .freelist import SharedFreeQueue
+from .index import PrefixIndex
 from .fastpath import alloc_loose, free_loose
 from .pool import Pool
-from .core import _close
-from .reclaim import release_slot_holdings
+from .reclaim import close as _close, release_slot_holdings
 from .prefix import PrefixOps
 from .tables import TableOps
 from .refs import RefStore
@@ -87,8 +87,7 @@ class PagedCacheManager(TableOps, PrefixOps):
         self._epoch = p.c[L.C_EPOCH]
         self._fq = SharedFreeQueue(p)
         self._root = p.seed
-        self._hhome = p.hhome
-        self._hindex = p.hindex
+        self._index = PrefixIndex(p)
         self._tindex = p.tindex
         self._lock = p.lock
         self.free_block_queue = SeedFreeQueue(self)
@@ -171,7 +170,7 @@ class PagedCacheManager(TableOps, PrefixOps):
             b = self._bid(block)
             if not self._p.b_flags[b] & L.FLAG_CACHED:
                 return False
-            self._uncache(b)
+            self._index.remove(b)
             self._drop_payloads((b,))       # as the seed: cache_data = None
             self._p.c[L.C_EVICTIONS] += 1
             return True
@@ -278,7 +277,7 @@ class PagedCacheManager(TableOps, PrefixOps):
             lru = self._fq.ids(limit=num_blocks)
             for b in lru:
                 if self._p.b_flags[b] & L.FLAG_CACHED:
-                    self._uncache(b)
+                    self._index.remove(b)
                     self._p.c[L.C_EVICTIONS] += 1
             self._drop_payloads(lru)        # as the seed: cache_data = None
             if lru:
@@ -351,8 +350,8 @@ class PagedCacheManager(TableOps, PrefixOps):
 
     def _uncache_all(self) -> None:
         with self._p.lock:
-            for b in self._cached_ids():
-                self._uncache(b)
+            for b in self._index.cached_ids():
+                self._index.remove(b)
 
     def reset_prefix_cache(self) -> bool:
         """Drop the whole prefix cache; False (and nothing done) while blocks are in use."""

@@ -8,7 +8,7 @@ from typing import Any, List, Optional, Tuple
 
 
 from . import layout as L
-from .blocks import (BlockHash, CacheBlock, compute_block_hash, token_bytes)
+from .blocks import BlockHash, CacheBlock, compute_block_hash, token_bytes
 from .views import SharedBlock
 
 logger = logging.getLogger("shmcache.paged_cache")
@@ -24,7 +24,7 @@ class PrefixOps(PoolOps):
             return None
         with self._p.lock:
             self._sync()
-            b = self._lookup_hash(bytes(block_hash))
+            b = self._index.find(bytes(block_hash))
             self._p.c[L.C_HITS if b >= 0 else L.C_MISSES] += 1
             return SharedBlock(self, b) if b >= 0 else None
 
@@ -51,7 +51,7 @@ class PrefixOps(PoolOps):
                              f"{num_full_blocks * self.block_size} tokens, got {len(blocks)} "
                              f"and {len(token_ids)}")
         ids = self._bids(blocks[:num_full_blocks])
-        parent = self._block_hash(ids[num_cached_blocks - 1]) if num_cached_blocks else None
+        parent = self._index.hash_of(ids[num_cached_blocks - 1]) if num_cached_blocks else None
         if num_cached_blocks and parent is None:
             parent = self._hashes(token_ids, num_cached_blocks, extra_keys)[-1]
         hashes = self._hashes(token_ids, num_full_blocks, extra_keys, parent, num_cached_blocks)
@@ -61,49 +61,18 @@ class PrefixOps(PoolOps):
             for b in ids[num_cached_blocks:]:
                 if p.b_ref[b] <= 0 or b == 0:
                     raise ValueError(f"block {b} is not allocated; only held blocks can be cached")
-            flags, tok, raw, bs = p.b_flags, p.b_tok, p.raw, self.block_size
-            slots, mask = p.hindex.slots, p.hindex.mask
-            boff, isz = p.layout.blocks_off + L.BLOCK_HASH_OFF, L.BLOCK_DTYPE.itemsize
-            for b, h in zip(ids[num_cached_blocks:], hashes):
-                if not flags[b] & L.FLAG_CACHED:    # self._cache(b, h), inlined
-                    i = int.from_bytes(h[:8], "little") & mask
-                    for _ in range(mask + 1):
-                        if slots[i] < 0:
-                            break
-                        i = (i + 1) & mask
-                    else:
-                        raise p.hindex._full()
-                    raw[boff + b * isz: boff + b * isz + 16] = h
-                    flags[b] |= L.FLAG_CACHED
-                    slots[i] = b
-                    tok[b] = bs
+            tok, bs = p.b_tok, self.block_size
+            for b in self._index.add_many(ids[num_cached_blocks:], hashes):
+                tok[b] = bs      # a published block is full
 
     def _lookup_chain(self, hashes) -> list:
-        """Blocks of the longest cached run of ``hashes`` from the first (lock held)."""
-        p = self._p
-        slots, mask = p.hindex.slots, p.hindex.mask
-        raw, isz = p.raw, L.BLOCK_DTYPE.itemsize
-        boff = p.layout.blocks_off + L.BLOCK_HASH_OFF
-        found = []
-        n = self.max_blocks
-        for h in hashes:
-            i = int.from_bytes(h[:8], "little") & mask
-            for _ in range(mask + 1):        # OpenIndex.find, inlined
-                e = slots[i]
-                if e < 0:
-                    break
-                if not 0 < e < n:           # (block 0 is never cached)
-                    raise p.hindex._bad_entry(e, i)
-                if raw[boff + e * isz: boff + e * isz + 16] == h:
-                    break
-                i = (i + 1) & mask
-            else:
-                raise p.hindex._full()
-            if e < 0:
-                p.c[L.C_MISSES] += 1
-                break
-            found.append(e)
-        p.c[L.C_HITS] += len(found)
+        """Blocks of the longest cached run of ``hashes`` from the first (lock
+        held), counting the hits and the miss that ends the run."""
+        found = self._index.find_chain(hashes)
+        c = self._p.c
+        c[L.C_HITS] += len(found)
+        if len(found) < len(hashes):
+            c[L.C_MISSES] += 1
         return found
 
     def get_computed_blocks(self, token_ids: List[int],
@@ -152,7 +121,7 @@ class PrefixOps(PoolOps):
         with self._p.lock:
             self._sync()
             hashes = self._chunk_hashes(tokens)
-            b = self._lookup_hash(hashes[-1]) if hashes else -1
+            b = self._index.find(hashes[-1]) if hashes else -1
             self._p.c[L.C_HITS if b >= 0 else L.C_MISSES] += 1
             if b < 0:
                 return None
@@ -161,8 +130,7 @@ class PrefixOps(PoolOps):
 
     def _chunk_hashes(self, tokens) -> list:
         """Chain hashes of ``tokens`` cut into blocks, the last one possibly partial."""
-        data = token_bytes(tokens)
-        return self._chain(data, -(-len(data) // (4 * self.block_size)), b"")
+        return self._hashes(tokens, -(-len(tokens) // self.block_size), None)
 
     def register_block_hash(self, block: CacheBlock, tokens: List[int]) -> None:
         """Cache ``block`` as the last block of the prefix ``tokens``."""

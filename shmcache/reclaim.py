@@ -15,10 +15,14 @@ released twice, nothing is lost.
 
 from __future__ import annotations
 
+import errno
+import os
+
 import numpy as np
 
 from . import layout as L
 from .freelist import SharedFreeQueue
+from .errors import CorruptPoolError, PoolClosedError
 from .refs import RefStore, unlink_table
 
 
@@ -70,3 +74,77 @@ def reclaim_dead_slots(p, refs: RefStore | None = None) -> int:
         p.slots["state"][s] = 0
     p.c[L.C_RECLAIMED] += n
     return n
+
+
+def _locked_here_through_another(p) -> bool:
+    """Whether this thread holds (or is taking) the lock of ``p``'s segment
+    through another manager of this process. The mutex belongs to the thread
+    that took it, so taking ``p``'s own lock would then fail with EDEADLK
+    (a finalizer run by the GC inside that manager's op)."""
+    from .pool import _live_pools
+    try:
+        st = os.fstat(p.fd)
+    except OSError:
+        return False
+    for q in list(_live_pools):
+        if q is p or q.closed or q._forked or not q.lock._tlock._is_owned():
+            continue
+        try:
+            sq = os.fstat(q.fd)
+        except OSError:
+            continue
+        if (sq.st_dev, sq.st_ino) == (st.st_dev, st.st_ino):
+            return True
+    return False
+
+
+def close(p, refs: RefStore, destroy: bool, finalizing: bool = False) -> None:
+    """Close a manager's pool: release what its slot holds and free the slot,
+    then unmap (and unlink the segment when ``destroy`` and it created it).
+
+    Run by ``close``/``destroy`` and by the manager's finalizer
+    (``finalizing``). Where the lock cannot be taken (this thread holds it
+    through another manager of the same segment), it leaves as a death
+    would: drops its liveness byte, and the next reclaim releases its
+    holdings.
+    """
+    as_dead = (finalizing and not (p.closed or p._forked)
+               and _locked_here_through_another(p))
+    if as_dead and p.slot >= 0:
+        # Leave as a death would: drop the liveness byte now, and whoever
+        # reclaims next releases what this manager held.
+        from .lock import ofd_unlock
+        ofd_unlock(p.live_fd, p._liveness_off(p.slot))
+    if p.closed or p._forked or as_dead:
+        if destroy and p.creator and not p.private:
+            from . import segment
+            segment.unlink(p.name)
+        p.unmap()
+        return
+    try:
+        with p.lock:
+            try:
+                release_slot_holdings(p, refs, p.slot)
+            except CorruptPoolError:
+                # Pool.corrupt has rebuilt the derived state from the lists:
+                # release what they now hold.
+                release_slot_holdings(p, refs, p.slot)
+            p.release_slot()
+            # before the lock is released: a thread waiting for it must not
+            # run an operation with no slot (slot -1 is another's slot)
+            p.lock.unusable = True
+    except PoolClosedError:
+        pass                    # another thread closed it while we waited
+    except OSError as e:
+        # EDEADLK: this thread holds the pool mutex through a C fast path
+        # of another manager (a finalizer run by the GC inside it). Leave as
+        # a death would; whoever reclaims next releases what we held.
+        if e.errno != errno.EDEADLK or p.slot < 0:
+            raise
+        from .lock import ofd_unlock
+        ofd_unlock(p.live_fd, p._liveness_off(p.slot))
+    finally:
+        if destroy and p.creator and not p.private:
+            from . import segment
+            segment.unlink(p.name)
+        p.unmap()

@@ -80,7 +80,7 @@ class LegacyHashView(_View):
             h = bytes.fromhex(key)
         except (TypeError, ValueError):
             raise KeyError(key) from None
-        b = self._m._lookup_hash(h)
+        b = self._m._index.find(h)
         if b < 0:
             raise KeyError(key)
         return b
@@ -90,12 +90,12 @@ class LegacyHashView(_View):
         # several blocks may share a hash: each key once, as a Mapping must;
         # under the lock, so no block is uncached between flag and hash reads
         with m._p.lock:
-            return iter(dict.fromkeys(m._block_hash(b).hex() for b in m._cached_ids()))
+            return iter(dict.fromkeys(m._index.hash_of(b).hex() for b in m._index.cached_ids()))
 
     def __len__(self) -> int:
         m = self._m
         with m._p.lock:
-            return len({m._block_hash(b) for b in m._cached_ids()})
+            return len({m._index.hash_of(b) for b in m._index.cached_ids()})
 
 
 class SharedHashMap:
@@ -106,7 +106,7 @@ class SharedHashMap:
 
     def get_block(self, block_hash):
         with self._m._p.lock:
-            b = self._m._lookup_hash(bytes(block_hash))
+            b = self._m._index.find(bytes(block_hash))
         return SharedBlock(self._m, b) if b >= 0 else None
 
     def insert(self, block_hash, block) -> None:
@@ -115,14 +115,14 @@ class SharedHashMap:
     def pop(self, block_hash, block_id: int):
         m = self._m
         with m._p.lock:            # check and drop as one step
-            if m._block_hash(m._bid(block_id)) != bytes(block_hash):
+            if m._index.hash_of(m._bid(block_id)) != bytes(block_hash):
                 return None
             m._set_block_hash(block_id, None)
         return SharedBlock(m, block_id)
 
     def __len__(self) -> int:
         with self._m._p.lock:
-            return len({self._m._block_hash(b) for b in self._m._cached_ids()})
+            return len({self._m._index.hash_of(b) for b in self._m._index.cached_ids()})
 
     def clear(self) -> None:
         self._m._uncache_all()

@@ -37,7 +37,7 @@ class SharedBlock(CacheBlock):
 
     @property
     def block_hash(self):
-        return self._m._block_hash(self._id)
+        return self._m._index.hash_of(self._id)
 
     @block_hash.setter
     def block_hash(self, v) -> None:
@@ -45,7 +45,7 @@ class SharedBlock(CacheBlock):
 
     @property
     def hash_value(self):
-        h = self._m._block_hash(self._id)
+        h = self._m._index.hash_of(self._id)
         return h.hex() if h is not None else None
 
     @hash_value.setter

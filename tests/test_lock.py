@@ -13,15 +13,19 @@ from shmcache import segment
 from _proc_worker import lock_is_busy
 
 
-def test_a_repair_that_raises_releases_the_lock_and_leaves_the_pool_dirty(make_pool):
+def test_a_repair_that_raises_releases_the_lock_and_leaves_the_pool_dirty(make_pool, monkeypatch):
+    from shmcache import recovery
     owner = make_pool()
     other = shmcache.attach(owner.name)
     try:
         owner._p.c[L.C_DIRTY] = 1           # as if a holder died mid-update
+        real = recovery.repair
 
-        def broken():
-            raise RuntimeError("repair failed")
-        other._p.on_dirty = broken
+        def broken(p):
+            if p is other._p:
+                raise RuntimeError("repair failed")
+            real(p)
+        monkeypatch.setattr(recovery, "repair", broken)
         with pytest.raises(RuntimeError, match="repair failed"):
             other.allocate_block()
         assert other._p.c[L.C_DIRTY] == 1  # the next holder must repair

@@ -99,7 +99,7 @@ class PoolMachine(RuleBasedStateMachine):
         s = m.get_stats()
         return (p.blocks["ref_count"][:N].tolist(), m.free_block_queue.ids(),
                 sorted((r, t.block_ids, t.num_tokens) for r, t in m.request_tables.items()),
-                sorted(m._cached_ids()), p.blocks["token_count"][:N].tolist(),
+                sorted(m._index.cached_ids()), p.blocks["token_count"][:N].tolist(),
                 repr(s),
                 {b: len(r) for b, r in m._refs.loose.items()})
 
@@ -391,7 +391,7 @@ class PoolMachine(RuleBasedStateMachine):
             mt = m.get_block_table(rid)
             assert mt.block_ids == t["blocks"] and mt.num_tokens == t["tok"], rid
             assert len(mt) == len(t["blocks"])
-        assert sorted(m._cached_ids()) == sorted(self.cached)
+        assert sorted(m._index.cached_ids()) == sorted(self.cached)
         assert {b: len(r) for b, r in m._refs.loose.items()} == dict(self.loose)
         alloc = [b for b in range(N) if self.ref[b] > 0]
         assert [p.blocks["token_count"][b] for b in alloc] == [self.tok[b] for b in alloc]

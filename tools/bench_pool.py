@@ -38,7 +38,8 @@ Items 4 and 5 (with the ``--worker`` process mode) are in
 ``tools/bench_pool_scale.py``; :func:`run` here runs all five.
 
 ``python -m tools.bench_pool --profile`` profiles items 1, 2 and 3 for
-shmcache (cProfile, plus a break-down of the fixed cost of one locked call).
+shmcache (cProfile, plus a break-down of the fixed cost of one locked call);
+that is ``tools/bench_pool_profile.py``.
 """
 
 from __future__ import annotations
@@ -165,7 +166,7 @@ def interleaved(fns: dict, trials: int, target_s: float, per: int = 1) -> dict:
     return {k: statistics.median(v) for k, v in res.items()}
 
 
-def _pair(m):
+def pair_loop(m):
     alloc, free = m.allocate_block, m.free_block
 
     def fn(n):
@@ -177,7 +178,7 @@ def _pair(m):
     return fn
 
 
-def _batch(m, free_batch):
+def batch_loop(m, free_batch):
     get = m.get_new_blocks
 
     def fn(n):
@@ -193,17 +194,17 @@ def bench_alloc(seed, pools: Pools, trials: int, target_s: float) -> list:
     _, ours = pools.create("alloc", max_blocks=1000)
     rows = []
     sm = seed.PagedCacheManager(max_blocks=1000) if seed else None
-    fns = {"ours": _pair(ours)}
+    fns = {"ours": pair_loop(ours)}
     if sm:
-        fns["seed"] = _pair(sm)
+        fns["seed"] = pair_loop(sm)
     r = interleaved(fns, trials, target_s)
     rows.append(row("1. allocate_block + free_block, per pair", r["ours"] * 1e6,
                     r.get("seed", 0) * 1e6 or None, unit="us", target=("<=", 2.0)))
     how = "n/a"
-    fns = {"ours": _batch(ours, ours.free_block_batch)}
+    fns = {"ours": batch_loop(ours, ours.free_block_batch)}
     if sm:
         sfree, how = seed_batch_free(sm)
-        fns["seed"] = _batch(sm, sfree)
+        fns["seed"] = batch_loop(sm, sfree)
     r = interleaved(fns, trials, target_s, per=BATCH)
     rows.append(row("2. get_new_blocks(64) + batch free, per block", r["ours"] * 1e6,
                     r.get("seed", 0) * 1e6 or None, unit="us", target=("<=", 1.0),
@@ -283,7 +284,6 @@ def bench_prefix(seed, pools: Pools, trials: int, reps: int) -> list:
     ]
 
 
-
 # --------------------------------------------------------------------- run
 def add_args(ap) -> None:
     ap.add_argument("--pool-trials", type=int, default=7, help="trials per micro-benchmark")
@@ -328,88 +328,12 @@ def _log(msg: str) -> None:
     print(f"[bench pool] {msg}", file=sys.stderr, flush=True)
 
 
-# ----------------------------------------------------------------- profile
-def profile(n_pair: int = 30000, n_batch: int = 1500, n_prefix: int = 203, top: int = 25) -> None:
-    import cProfile
-    import pstats
-
-    from shmcache.views import SharedBlock
-    pools = Pools()
-    try:
-        _, m = pools.create("prof", max_blocks=1000)
-        _pair(m)(2000)
-        _batch(m, m.free_block_batch)(100)
-        for label, fn, n in (("item 1: allocate_block + free_block", _pair(m), n_pair),
-                             ("item 2: get_new_blocks(64) + free_block_batch",
-                              _batch(m, m.free_block_batch), n_batch)):
-            pr = cProfile.Profile()
-            pr.enable()
-            fn(n)
-            pr.disable()
-            print(f"\n==== cProfile, {label}, {n} iterations (times inflated by the profiler)")
-            pstats.Stats(pr).strip_dirs().sort_stats("tottime").print_stats(top)
-        # item 3, for the prefix-cache target
-        _, m3 = pools.create("prof3", block_size=16, max_blocks=1024)
-        rng = random.Random(7)
-        seqs = [[rng.randrange(50_000) for _ in range(1024)] for _ in range(n_prefix)]
-        pr = cProfile.Profile()
-        for i, toks in enumerate(seqs):
-            blocks = m3.get_new_blocks(64)
-            if i >= 3:
-                pr.enable()
-            m3.cache_full_blocks(blocks, toks, 0, 64)
-            m3.get_computed_blocks(toks)
-            if i >= 3:
-                pr.disable()
-            m3.free_block_batch(blocks)
-            m3.reset_prefix_cache()
-        print(f"\n==== cProfile, item 3: cache_full_blocks + get_computed_blocks, "
-              f"{n_prefix - 3} requests of 64 blocks (times inflated by the profiler)")
-        pstats.Stats(pr).strip_dirs().sort_stats("tottime").print_stats(top)
-        # fixed costs of one locked call, without the profiler
-        p = m._p
-        nat = p.native
-
-        def t(fn, n=200_000):
-            t0 = perf()
-            for _ in range(n):
-                fn()
-            return (perf() - t0) / n * 1e6
-
-        def mutex_pair():
-            nat.trylock()
-            nat.unlock()
-
-        def with_lock():
-            with p.lock:
-                pass
-
-        def with_lock_sync():
-            with p.lock:
-                m._sync()
-
-        b = m.allocate_block()
-        bid = b.block_id
-        print("\n==== fixed costs (us per call, no profiler)")
-        for label, fn in ((f"pool mutex trylock + unlock ({type(nat).__name__})", mutex_pair),
-                          ("with pool.lock: pass", with_lock),
-                          ("with pool.lock: _sync()", with_lock_sync),
-                          ("SharedBlock(mgr, id)", lambda: SharedBlock(m, bid)),
-                          ("b.block_id (property)", lambda: b.block_id),
-                          ("_bid(block)", lambda: m._bid(b)),
-                          ("p.now()", p.now),
-                          ("allocate_block + free_block", lambda: m.free_block(m.allocate_block().block_id))):
-            print(f"  {label:40s} {t(fn, 50_000 if 'allocate' in label else 200_000):8.3f}")
-        m.free_block(bid)
-    finally:
-        pools.close()
-
-
 if __name__ == "__main__":
     if len(sys.argv) >= 3 and sys.argv[1] == "--worker":
         from tools.bench_pool_scale import worker_main
         sys.exit(worker_main(sys.argv[2]))
     if len(sys.argv) >= 2 and sys.argv[1] == "--profile":
+        from tools.bench_pool_profile import profile
         profile()
         sys.exit(0)
     from tools.bench import main

@@ -5,7 +5,7 @@ error, NaN and infinities are refused) and unknown fields are ignored.
 Parameters that would change the output but that this server does not
 implement are refused by :meth:`unsupported` rather than silently ignored.
 Checks that need the backend (the model name, ``n`` against ``max_n``, token
-ids against the vocabulary, what the pool can hold) are in ``app.py``.
+ids against the vocabulary, what the pool can hold) are in ``validation.py``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,189 @@
+"""Writing a generation out: one JSON response, or a server-sent event stream.
+
+:func:`respond` runs a :class:`~shmcache.server.generation.Generation` to
+its end and answers in the shape of its endpoint (:class:`CompletionShape`
+or :class:`ChatShape`): the whole text at once, or, with ``stream``, one
+``data:`` event per piece of text and ``data: [DONE]`` last. A client that
+disconnects cancels the generation (the request is counted as 499).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from contextlib import aclosing
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+import anyio
+import msgspec
+from fastapi import Request
+from starlette.responses import Response, StreamingResponse
+
+from .generation import CLIENT_CLOSED, Generation
+from .http_errors import error_body, error_response, json_response
+from .protocol import Error, SamplingParams
+
+if TYPE_CHECKING:
+    from .app import _Server
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+
+
+# ------------------------------------------------------- response shapes
+class CompletionShape:
+    """``/v1/completions``: ``text_completion`` objects, ``choices[i].text``."""
+
+    endpoint, object, chunk_object, id_prefix = (COMPLETIONS, "text_completion",
+                                                 "text_completion", "cmpl-")
+    first_delta = False
+
+    @staticmethod
+    def choice(i, text, reason):
+        return {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+
+    chunk_choice = choice
+
+
+class ChatShape:
+    """``/v1/chat/completions``: ``message`` choices, ``delta`` chunks that
+    open with the assistant's role."""
+
+    endpoint, object, chunk_object, id_prefix = (CHAT, "chat.completion",
+                                                 "chat.completion.chunk", "chatcmpl-")
+    first_delta = True
+
+    @staticmethod
+    def choice(i, text, reason):
+        return {"index": i, "message": {"role": "assistant", "content": text},
+                "logprobs": None, "finish_reason": reason}
+
+    @staticmethod
+    def chunk_choice(i, text, reason, role=False):
+        delta = {"role": "assistant", "content": text} if role else (
+            {"content": text} if text else {})
+        return {"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}
+
+
+def sse(obj) -> bytes:
+    """One server-sent event carrying ``obj`` as JSON."""
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+# ------------------------------------------------------- the connection
+async def unless_disconnected(request: Request, fn: Callable[[], Awaitable[Any]]):
+    """``(True, await fn())``, or ``(False, None)`` when the client
+    disconnects first (``fn`` is then cancelled)."""
+    box = []
+    async with anyio.create_task_group() as tg:
+        async def watch():
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            tg.cancel_scope.cancel()
+        tg.start_soon(watch)
+        box.append(await fn())
+        tg.cancel_scope.cancel()
+    return (True, box[0]) if box else (False, None)
+
+
+class SSEResponse(StreamingResponse):
+    """A stream that closes its generation however the response ends."""
+
+    def __init__(self, gen: Generation, body):
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._generation = gen
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._generation.aclose()
+            self._generation.finish()
+
+
+# ------------------------------------------------------- one request
+async def respond(srv: "_Server", request: Request, shape, req, prompt: list[int],
+                  params: SamplingParams, t0: float) -> Response:
+    """Generates for a validated request and answers it.
+
+    Args:
+        srv: the app's server state.
+        request: the HTTP request (watched for a disconnect).
+        shape: :class:`CompletionShape` or :class:`ChatShape`.
+        req: the validated request body (``stop``, ``stream``, ``include_usage``).
+        prompt: the prompt's token ids.
+        params: the sampling parameters.
+        t0: ``time.monotonic()`` when the request arrived.
+
+    Returns:
+        The JSON response, the event stream, an error response, or an empty
+        499 when the client went away.
+    """
+    gen = Generation(srv, shape.endpoint, prompt, params, req.stop or [], t0)
+    streaming = False
+    try:
+        ok, err = await unless_disconnected(request, gen.start)
+        if not ok:
+            return Response(status_code=CLIENT_CLOSED)
+        if err is not None:
+            gen.status = err.status
+            return error_response(err.status, err.message)
+        rid = shape.id_prefix + uuid.uuid4().hex
+        created = int(time.time())
+        if req.stream:
+            streaming = True
+            return SSEResponse(gen, _stream(srv, gen, shape, rid, created, req.include_usage))
+        ok, result = await unless_disconnected(request, lambda: _collect(gen))
+        if not ok:
+            return Response(status_code=CLIENT_CLOSED)
+        if isinstance(result, Error):
+            gen.status = result.status
+            return error_response(result.status, result.message)
+        gen.status = 200
+        return json_response({
+            "id": rid, "object": shape.object, "created": created, "model": srv.model_name,
+            "choices": [shape.choice(i, "".join(parts), gen.samples[i].reason)
+                        for i, parts in enumerate(result)],
+            "usage": gen.usage()})
+    finally:
+        if not streaming:                   # a stream closes in SSEResponse
+            with anyio.CancelScope(shield=True):
+                await gen.aclose()
+            gen.finish()
+
+
+async def _collect(gen: Generation):
+    parts: list[list[str]] = [[] for _ in gen.samples]
+    async with aclosing(gen.updates()) as ups:
+        async for u in ups:
+            if isinstance(u, Error):
+                return u
+            i, text, _ = u
+            if text:
+                parts[i].append(text)
+    return parts
+
+
+async def _stream(srv: "_Server", gen: Generation, shape, rid: str, created: int,
+                  include_usage: bool):
+    base = {"id": rid, "object": shape.chunk_object, "created": created,
+            "model": srv.model_name}
+    tail = {"usage": None} if include_usage else {}
+    if shape.first_delta:
+        yield sse({**base, "choices": [shape.chunk_choice(i, "", None, role=True)
+                                       for i in range(len(gen.samples))], **tail})
+    async with aclosing(gen.updates()) as ups:
+        async for u in ups:
+            if isinstance(u, Error):
+                gen.status = u.status
+                yield sse(error_body(u.status, u.message))
+                yield b"data: [DONE]\n\n"
+                return
+            i, text, reason = u
+            yield sse({**base, "choices": [shape.chunk_choice(i, text, reason)], **tail})
+    if include_usage:
+        yield sse({**base, "choices": [], "usage": gen.usage()})
+    gen.status = 200
+    yield b"data: [DONE]\n\n"

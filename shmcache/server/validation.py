@@ -1,0 +1,168 @@
+"""The checks a request needs the backend for, and its prompt's token ids.
+
+The request models (:mod:`shmcache.server.openai_types`) check the body
+alone; :class:`RequestChecker` adds what depends on the backend: the model
+name, ``n`` against ``max_n``, token ids against the vocabulary, and what the
+pool can hold. Every problem is an :class:`~shmcache.server.http_errors.APIError`
+(a 400) and the backend is not called.
+
+Lengths: ``max_tokens`` (chat: ``max_completion_tokens`` first) that the pool
+can never hold is a 400. When the client gives none, the default (16 for
+completions as in OpenAI's API, ``default_chat_max_tokens`` for chat) is
+lowered to what the pool can hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Optional
+
+from .api import Backend
+from .http_errors import APIError
+from .openai_types import ChatCompletionRequest, CompletionRequest
+from .protocol import SamplingParams
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+DEFAULT_CHAT_MAX_TOKENS = 512
+
+
+class RequestChecker:
+    """Validates requests against one backend and builds their prompts.
+
+    Args:
+        backend: the generation backend (see :class:`~shmcache.server.api.Backend`).
+        served_model_name: the model name listed and echoed (default
+            ``backend.model_id``; requests may name either).
+        default_chat_max_tokens: a chat request's ``max_tokens`` when it gives none.
+    """
+
+    def __init__(self, backend: Backend, served_model_name: Optional[str],
+                 default_chat_max_tokens: int):
+        self.backend = backend
+        self.model_name = served_model_name or backend.model_id
+        self.accepted_models = {self.model_name, backend.model_id}
+        self.tokenizer = backend.tokenizer
+        self.vocab_size = int(getattr(backend, "vocab_size", None) or len(self.tokenizer))
+        self.default_chat_max_tokens = default_chat_max_tokens
+
+    def check_common(self, req) -> None:
+        """The checks both endpoints share: model, unsupported parameters, ``n``,
+        ``stop_token_ids``.
+
+        Raises:
+            APIError: the first problem found.
+        """
+        if req.model is not None and req.model not in self.accepted_models:
+            raise APIError(f"The model '{req.model}' does not exist; this server serves "
+                           f"'{self.model_name}'.", param="model")
+        bad = req.unsupported()
+        if bad is not None:
+            raise APIError(bad[1], param=bad[0])
+        n = req.n or 1
+        if n > self.backend.max_n:
+            raise APIError(f"Invalid value for 'n': {n} is more than this server's maximum "
+                           f"of {self.backend.max_n}.", param="n")
+        self.check_ids(req.stop_token_ids or [], "stop_token_ids")
+
+    def check_ids(self, ids: list[int], param: str) -> None:
+        """Raises APIError naming ``param`` if a token id is outside the vocabulary."""
+        for i, t in enumerate(ids):
+            if not 0 <= t < self.vocab_size:
+                raise APIError(f"Invalid value for '{param}': token id {t} (at index {i}) is "
+                               f"outside the vocabulary [0, {self.vocab_size}).", param=param)
+
+    def length(self, prompt_len: int, n: int, requested: Optional[int], param: str,
+               default: int, prompt_param: str) -> int:
+        """The ``max_tokens`` to generate with.
+
+        Args:
+            prompt_len: the prompt's length in tokens.
+            n: samples per request.
+            requested: the client's value, or None.
+            param: its parameter name (``max_tokens``, ``max_completion_tokens``).
+            default: the value when the client gave none (lowered to what fits).
+            prompt_param: the parameter to blame when the prompt alone cannot fit.
+
+        Returns:
+            ``requested``, else the largest value up to ``default`` that the pool can hold.
+
+        Raises:
+            APIError: the pool can never hold the request.
+        """
+        adm = self.backend.admission_error
+        if requested is not None:
+            why = adm(prompt_len, requested, n)
+            if why is not None:
+                raise APIError(why, param=self._blame(prompt_len, n, requested, param,
+                                                      prompt_param))
+            return requested
+        if adm(prompt_len, default, n) is None:
+            return default
+        why = adm(prompt_len, 1, n)
+        if why is not None:
+            raise APIError(why, param=self._blame(prompt_len, n, 1, param, prompt_param))
+        lo, hi = 1, default - 1                 # lo fits; find the largest that does
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if adm(prompt_len, mid, n) is None:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _blame(self, prompt_len, n, max_tokens, param, prompt_param) -> str:
+        """The parameter to name when the pool can never hold a request."""
+        adm = self.backend.admission_error
+        if adm(prompt_len, 1, 1) is not None:
+            return prompt_param
+        if n > 1 and adm(prompt_len, max_tokens, 1) is None:
+            return "n"
+        return param
+
+    def sampling_params(self, req, max_tokens: int) -> SamplingParams:
+        """The request's sampling parameters, OpenAI's defaults filled in."""
+        top_k = req.top_k or 0
+        return SamplingParams(
+            max_tokens=max_tokens, n=req.n or 1,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if top_k < 0 else top_k,
+            min_p=req.min_p or 0.0, seed=req.seed,
+            stop_token_ids=list(req.stop_token_ids or []), salt=req.cache_salt)
+
+    def completion_prompt(self, req: CompletionRequest) -> list[int]:
+        """The prompt's token ids (a string is tokenized).
+
+        Raises:
+            APIError: the prompt is empty or has an id outside the vocabulary.
+        """
+        if isinstance(req.prompt, str):
+            if not req.prompt:
+                raise APIError("Invalid value for 'prompt': the prompt is empty.", param="prompt")
+            ids = list(self.tokenizer.encode(req.prompt))
+        else:
+            ids = list(req.prompt)
+            self.check_ids(ids, "prompt")
+        if not ids:
+            raise APIError("Invalid value for 'prompt': the prompt is empty.", param="prompt")
+        return ids
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        """The messages through the tokenizer's chat template, as token ids.
+
+        Raises:
+            APIError: no messages, the template failed, or it gave no tokens.
+        """
+        if not req.messages:
+            raise APIError("Invalid value for 'messages': the list is empty.", param="messages")
+        try:
+            out = self.tokenizer.apply_chat_template(
+                [m.to_template() for m in req.messages], add_generation_prompt=True)
+        except Exception as e:                  # jinja errors: roles out of order, ...
+            raise APIError(f"Invalid value for 'messages': the chat template failed: {e}",
+                           param="messages") from None
+        ids = list(out["input_ids"] if isinstance(out, Mapping) else out)
+        if not ids:
+            raise APIError("Invalid value for 'messages': the prompt is empty.",
+                           param="messages")
+        return ids

@@ -42,7 +42,7 @@ Inside the header page:
     0                 HEADER_DTYPE.itemsize     the header record
     MUTEX_OFF (1024)  MUTEX_BYTES (64)          the pool lock: a process-shared
                                                 robust pthread_mutex_t (40 B on
-                                                x86-64 glibc), see ``mutex``
+                                                x86-64 glibc), see ``platform``
     LIVENESS_OFF      MAX_SLOTS_LIMIT (1024)    liveness bytes, never written
       (2048)
     INIT_LOCK_OFF     1                         creation byte, never written
@@ -179,7 +179,7 @@ CHUNK_DTYPE = np.dtype([
     ("next", "<i4"),                         # next chunk of the list (or of the free list)
     ("block_id", "<i4", (CHUNK_IDS,)),       # block ids; [0] is -1 in a free chunk
 ])
-REF_DTYPE = CHUNK_DTYPE       # (``mutex.hot_params`` reads its field offsets)
+REF_DTYPE = CHUNK_DTYPE       # (``lock.hot_params`` reads its field offsets)
 
 TABLE_DTYPE = np.dtype([
     ("request_id", f"S{RID_BYTES}"),

@@ -1,7 +1,9 @@
-"""The pool lock and the liveness bytes.
+"""The pool lock: the mutex, its fast path, and the dirty mark.
 
-The pool lock is the robust pthread mutex in the segment's header (see
-``mutex``): free, it costs no system call; its holder's death hands it to the
+The pool lock is the robust pthread mutex in the segment's header
+(``platform.RobustMutex``, or the C accelerator ``_hot``, which drives the
+same mutex and adds the fused allocate/free operations; ``open_hot``
+chooses): free, it costs no system call; its holder's death hands it to the
 next locker at once, so a SIGKILLed holder blocks nobody. A thread lock
 orders the threads of one manager (the mutex belongs to the thread that took
 it, and the thread lock makes that the thread that releases it).
@@ -10,53 +12,101 @@ NOTE: a holder that dies mid-update leaves half-linked lists behind. Every
 holder sets the ``dirty`` counter when it takes the lock and clears it when
 it leaves cleanly; whoever next takes the lock and finds it set runs
 ``on_dirty`` (a full rebuild of the derived state) before going on.
+
+``open_hot(mm, layout)`` returns an object with ``init_mutex()``,
+``trylock()``/``lock()`` (0 taken, 1 taken from a dead holder, -1 busy for
+``trylock``), ``unlock()``, ``release()``, ``lock_slices()``, and ``alloc``
+and ``free``: the fused operations of ``_hot.c``, or None (then
+``fastpath`` does them in Python under the lock). Set ``SHMCACHE_PURE=1`` to
+use the reference path even where ``_hot`` is built.
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
-import struct
 import threading
 import time
 
+from . import layout as L
 from .errors import ShmCacheError
 from .layout import C_DIRTY, C_HOLDER, C_LOCK_WAIT_NS, C_OPS
-
-# struct flock on Linux (x86-64 and aarch64): short, short, off_t, off_t, pid_t
-_FLOCK = "hhqqi4x"
+from .platform import RobustMutex
 
 # Exceptions our operations raise only before they change anything
 # (check-then-commit), so the pool stays clean when they escape.
 CLEAN_ERRORS = (ValueError, TypeError, KeyError, IndexError, ShmCacheError)
 
 
-def ofd_lock(fd: int, offset: int) -> bool:
-    """Take an OFD write lock on one byte; False if another description holds it."""
-    arg = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, offset, 1, 0)
-    try:
-        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, arg)
-        return True
-    except (BlockingIOError, PermissionError):
-        return False
+try:
+    if os.environ.get("SHMCACHE_PURE"):
+        raise ImportError("SHMCACHE_PURE is set")
+    from . import _hot
+except ImportError:     # not compiled here: the ctypes path below
+    _hot = None
+
+ACCELERATED = _hot is not None
 
 
-def ofd_unlock(fd: int, offset: int) -> None:
-    arg = struct.pack(_FLOCK, fcntl.F_UNLCK, os.SEEK_SET, offset, 1, 0)
-    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, arg)
+# The parameters of ``_hot.Hot``, in its ``P_*`` order.
+_P_NAMES = ("mutex_off", "counters_off",
+            "blocks_off", "block_size", "b_ref", "b_prev", "b_next", "b_flags", "b_tok", "b_last",
+            "refs_off", "ref_size", "r_block", "r_next",
+            "slots_off", "slot_size", "s_head", "s_count",
+            "max_blocks", "max_slots", "flag_cached",
+            "c_dirty", "c_num_free", "c_free_ref", "c_free_refs", "c_ops", "c_epoch", "c_holder")
 
 
-def ofd_held_by_other(fd: int, offset: int) -> bool:
-    """True when an open file description other than ``fd``'s holds the byte."""
-    arg = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, offset, 1, 0)
-    res = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, arg)
-    return struct.unpack(_FLOCK, res)[0] != fcntl.F_UNLCK
+def _params(**kw) -> tuple:
+    return tuple(kw.pop(k, 0) for k in _P_NAMES)
+
+
+def hot_params(lay) -> tuple:
+    """The byte offsets ``_hot.Hot`` works with."""
+    bf, rf, sf = L.BLOCK_DTYPE.fields, L.REF_DTYPE.fields, L.SLOT_DTYPE.fields
+    return _params(
+        mutex_off=L.MUTEX_OFF, counters_off=lay.counters_off,
+        blocks_off=lay.blocks_off, block_size=L.BLOCK_DTYPE.itemsize,
+        b_ref=bf["ref_count"][1], b_prev=bf["prev"][1], b_next=bf["next"][1],
+        b_flags=bf["flags"][1], b_tok=bf["token_count"][1], b_last=bf["last_access"][1],
+        refs_off=lay.refs_off, ref_size=L.REF_DTYPE.itemsize,
+        r_block=rf["block_id"][1], r_next=rf["next"][1],
+        slots_off=lay.slots_off, slot_size=L.SLOT_DTYPE.itemsize,
+        s_head=sf["loose_head"][1], s_count=sf["loose_count"][1],
+        max_blocks=lay.max_blocks, max_slots=lay.max_slots, flag_cached=L.FLAG_CACHED,
+        c_dirty=L.C_DIRTY, c_num_free=L.C_NUM_FREE, c_free_ref=L.C_FREE_REF,
+        c_free_refs=L.C_FREE_REFS, c_ops=L.C_OPS, c_epoch=L.C_EPOCH, c_holder=L.C_HOLDER)
+
+
+def open_hot(mm, lay, created_at: float, accelerated: bool = ACCELERATED):
+    """The mutex (and fused operations) over mapping ``mm`` of a pool."""
+    if accelerated and _hot is not None:
+        return _hot.Hot(mm, hot_params(lay), created_at)
+    return reference_mutex(mm)
+
+
+def reference_mutex(mm) -> RobustMutex:
+    """The pool mutex of mapping ``mm`` through ``platform.RobustMutex`` (the
+    reference path), whether or not ``_hot`` is built."""
+    return RobustMutex(mm, L.MUTEX_OFF, L.HEADER_SIZE + 8 * L.C_DIRTY)
+
+
+MUTEX_MAP_SIZE = L.HEADER_SIZE + L.COUNTERS_SIZE   # what open_mutex needs mapped
+
+
+def open_mutex(mm):
+    """Only the mutex (no fused operations), over a writable mapping of the
+    segment's first ``MUTEX_MAP_SIZE`` bytes (the inspector's, the tests')."""
+    if _hot is not None:
+        # max_slots 0: the fused operations refuse every call
+        return _hot.Hot(mm, _params(mutex_off=L.MUTEX_OFF, counters_off=L.HEADER_SIZE,
+                                    c_dirty=L.C_DIRTY, c_holder=L.C_HOLDER))
+    return reference_mutex(mm)
 
 
 class PoolLock:
     """Reentrant inter-process lock over one pool, with a dirty mark.
 
-    ``native`` is the pool's mutex (``mutex.open_hot``), ``counters`` its
+    ``native`` is the pool's mutex (``open_hot``), ``counters`` its
     int64 counter memoryview. ``on_dirty`` runs with the lock held when the
     previous holder did not leave cleanly.
     """

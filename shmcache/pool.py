@@ -20,8 +20,8 @@ from . import recovery, segment
 from .reclaim import reclaim_dead_slots
 from .index import OpenIndex
 from .errors import CapacityError, CorruptPoolError, PoolClosedError
-from .lock import PoolLock, ofd_held_by_other, ofd_lock, ofd_unlock
-from .mutex import open_hot
+from .lock import PoolLock, open_hot
+from .platform import byte_held_by_other, byte_lock, byte_unlock
 
 logger = logging.getLogger("shmcache.paged_cache")
 
@@ -97,7 +97,7 @@ class Pool:
     def _open_native(self):
         native = open_hot(self.mm, self.layout, self.created_at)
         if hasattr(native, "set_chunks"):
-            # what the fused ops need beyond mutex.hot_params: the chunk
+            # what the fused ops need beyond lock.hot_params: the chunk
             # count (they check every chunk id they read against it), the
             # block record's generation and the seed's token counter
             native.set_chunks(self.layout.num_chunks,
@@ -304,7 +304,7 @@ class Pool:
     def slot_alive(self, slot: int) -> bool:
         if slot == self.slot:
             return True
-        return ofd_held_by_other(self.fd, self._liveness_off(slot))
+        return byte_held_by_other(self.fd, self._liveness_off(slot))
 
     def dead_slots(self) -> list:
         st = self.slots["state"]
@@ -322,7 +322,7 @@ class Pool:
                     # a dead holder's slot: reused only once reclaimed (above,
                     # or by the next reclaim), never with its references in it
                     continue
-                if ofd_lock(self.live_fd, self._liveness_off(s)):
+                if byte_lock(self.live_fd, self._liveness_off(s)):
                     sl = self.slots[s]
                     sl["pid"] = os.getpid()
                     sl["start_time"] = process_start_time(os.getpid())
@@ -339,7 +339,7 @@ class Pool:
     def release_slot(self) -> None:
         if self.slot >= 0:
             self.slots["state"][self.slot] = 0
-            ofd_unlock(self.live_fd, self._liveness_off(self.slot))
+            byte_unlock(self.live_fd, self._liveness_off(self.slot))
             self.slot = self.lock.slot = -1
 
     def _on_dirty(self):

@@ -23,6 +23,7 @@ import numpy as np
 from . import layout as L
 from .freelist import SharedFreeQueue
 from .errors import CorruptPoolError, PoolClosedError
+from .platform import byte_unlock
 from .refs import RefStore, unlink_table
 
 
@@ -113,8 +114,7 @@ def close(p, refs: RefStore, destroy: bool, finalizing: bool = False) -> None:
     if as_dead and p.slot >= 0:
         # Leave as a death would: drop the liveness byte now, and whoever
         # reclaims next releases what this manager held.
-        from .lock import ofd_unlock
-        ofd_unlock(p.live_fd, p._liveness_off(p.slot))
+        byte_unlock(p.live_fd, p._liveness_off(p.slot))
     if p.closed or p._forked or as_dead:
         if destroy and p.creator and not p.private:
             from . import segment
@@ -141,8 +141,7 @@ def close(p, refs: RefStore, destroy: bool, finalizing: bool = False) -> None:
         # a death would; whoever reclaims next releases what we held.
         if e.errno != errno.EDEADLK or p.slot < 0:
             raise
-        from .lock import ofd_unlock
-        ofd_unlock(p.live_fd, p._liveness_off(p.slot))
+        byte_unlock(p.live_fd, p._liveness_off(p.slot))
     finally:
         if destroy and p.creator and not p.private:
             from . import segment

@@ -21,9 +21,9 @@ import numpy as np
 from .errors import (IncompatiblePoolError, InsufficientSharedMemoryError, PoolExistsError,
                      PoolNotFoundError, UnsafePoolError)
 from .layout import HEADER_DTYPE, INIT_LOCK_OFF, LAYOUT_VERSION, MAGIC
-from .lock import ofd_held_by_other, ofd_lock, ofd_unlock
+from .platform import (SHM_DIR, byte_held_by_other, byte_lock, byte_unlock, free_bytes,
+                       link_fd, open_unnamed, reserve)
 
-SHM_DIR = "/dev/shm"
 PREFIX = "shmcache."
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
 
@@ -49,33 +49,11 @@ def list_names() -> list[str]:
 
 
 def _open_unnamed(path: str, tmpfile: bool = True) -> tuple:
-    """(fd, named): a new file in SHM_DIR with no name yet (O_TMPFILE), or,
-    where that cannot be had, the file ``path`` itself (O_EXCL)."""
-    flag = getattr(os, "O_TMPFILE", 0) if tmpfile else 0
-    if flag:
-        try:
-            return os.open(SHM_DIR, flag | os.O_RDWR, 0o600), False
-        except OSError as e:
-            if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
-                raise
     try:
-        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), True
+        return open_unnamed(path, tmpfile)
     except FileExistsError:
         raise PoolExistsError(f"pool {path[len(SHM_DIR) + 1 + len(PREFIX):]!r} already exists "
                               f"({path})") from None
-
-
-def _link_fd(fd: int, path: str) -> None:
-    """Give the unnamed file ``fd`` the name ``path`` (FileExistsError if taken)."""
-    # NOTE: linkat(AT_SYMLINK_FOLLOW) on /proc/self/fd/N links the file
-    # itself; os.link calls linkat only when given a directory fd (plain
-    # link() would link the /proc symlink: EXDEV).
-    d = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.link(f"/proc/self/fd/{fd}", os.path.basename(path), dst_dir_fd=d,
-                follow_symlinks=True)
-    finally:
-        os.close(d)
 
 
 def create_file(name: str, size: int, header: bytes = b"", private: bool = False) -> int:
@@ -95,8 +73,7 @@ def create_file(name: str, size: int, header: bytes = b"", private: bool = False
         InsufficientSharedMemoryError: /dev/shm cannot hold ``size`` bytes.
     """
     path = path_for(name)
-    st = os.statvfs(SHM_DIR)
-    free = st.f_bavail * st.f_frsize
+    free = free_bytes(SHM_DIR)
     if size > free:
         raise InsufficientSharedMemoryError(
             f"pool {name!r} needs {size:,} bytes but {SHM_DIR} has only "
@@ -109,14 +86,14 @@ def create_file(name: str, size: int, header: bytes = b"", private: bool = False
             os.unlink(path)     # nobody attaches to a private pool
             named = False
         os.fchmod(fd, 0o600)  # the umask cannot widen it, but be explicit
-        if not private and named and not ofd_lock(fd, INIT_LOCK_OFF):
+        if not private and named and not byte_lock(fd, INIT_LOCK_OFF):
             raise PoolExistsError(f"pool {name!r} is being created by another process")
         if header:
             os.pwrite(fd, header, 0)
         if not private and not named:
-            ofd_lock(fd, INIT_LOCK_OFF)     # (nobody else can see this file yet)
+            byte_lock(fd, INIT_LOCK_OFF)     # (nobody else can see this file yet)
             try:
-                _link_fd(fd, path)
+                link_fd(fd, path)
             except FileExistsError:
                 raise PoolExistsError(f"pool {name!r} already exists ({path})") from None
             except OSError:
@@ -124,15 +101,13 @@ def create_file(name: str, size: int, header: bytes = b"", private: bool = False
                 os.close(fd)
                 fd = -1
                 fd, named = _open_unnamed(path, tmpfile=False)
-                ofd_lock(fd, INIT_LOCK_OFF)
+                byte_lock(fd, INIT_LOCK_OFF)
                 os.fchmod(fd, 0o600)
                 if header:
                     os.pwrite(fd, header, 0)
             named = True
-        # NOTE: ftruncate alone leaves a sparse file; touching a page past the
-        # tmpfs limit later kills the process with SIGBUS. Reserve now.
         try:
-            os.posix_fallocate(fd, 0, size)
+            reserve(fd, size)     # (a sparse file would SIGBUS past the tmpfs limit)
         except OSError as e:
             raise InsufficientSharedMemoryError(
                 f"pool {name!r} needs {size:,} bytes; reserving them in {SHM_DIR} "
@@ -148,12 +123,12 @@ def create_file(name: str, size: int, header: bytes = b"", private: bool = False
 
 def creation_done(fd: int) -> None:
     """The header is ready (or creation failed): attachers stop waiting."""
-    ofd_unlock(fd, INIT_LOCK_OFF)
+    byte_unlock(fd, INIT_LOCK_OFF)
 
 
 def being_created(fd: int) -> bool:
     """Whether another process holds the segment's creation lock."""
-    return ofd_held_by_other(fd, INIT_LOCK_OFF)
+    return byte_held_by_other(fd, INIT_LOCK_OFF)
 
 
 def check_safe(fd: int, path: str) -> os.stat_result:

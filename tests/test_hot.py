@@ -16,7 +16,7 @@ import textwrap
 import pytest
 
 import shmcache
-from shmcache import mutex
+from shmcache import lock as shlock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -117,7 +117,7 @@ def test_corrupt_index_never_followed(kind, pure):
         assert "is corrupt" in first and "rebuilt" in first
 
 
-@pytest.mark.skipif(not mutex.ACCELERATED, reason="the C accelerator is not built")
+@pytest.mark.skipif(not shlock.ACCELERATED, reason="the C accelerator is not built")
 def test_alloc_checks_the_count_before_sizing_anything():
     """_hot.alloc sized its buffers by n before looking at it: 2**40 was a
     MemoryError. Now a count the pool cannot have goes to the slow path."""

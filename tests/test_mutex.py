@@ -1,4 +1,4 @@
-"""The pool mutex (shmcache.mutex, shmcache/_hot.c) and the C fast paths.
+"""The pool mutex (shmcache.lock, shmcache.platform_linux, shmcache/_hot.c) and the C fast paths.
 
 The C accelerator and the ctypes fallback drive the same robust mutex, so
 they must exclude each other across processes; a holder's death must hand
@@ -20,17 +20,17 @@ import pytest
 
 import shmcache
 from shmcache import layout as L
-from shmcache import mutex, segment
+from shmcache import lock as shlock, segment
 
 from _proc_worker import lock_is_busy, wait_for_lock_waiter
 
-needs_c = pytest.mark.skipif(not mutex.ACCELERATED, reason="shmcache._hot is not built here")
+needs_c = pytest.mark.skipif(not shlock.ACCELERATED, reason="shmcache._hot is not built here")
 
 
 def _map(name):
     fd = os.open(segment.path_for(name), os.O_RDWR)
     try:
-        return mmap.mmap(fd, mutex.MUTEX_MAP_SIZE)
+        return mmap.mmap(fd, shlock.MUTEX_MAP_SIZE)
     finally:
         os.close(fd)
 
@@ -55,18 +55,18 @@ def _python_only(m):
 @pytest.mark.parametrize("pure", [False, True], ids=["c", "ctypes"])
 @pytest.mark.timeout(60)
 def test_the_two_implementations_exclude_each_other_across_processes(make_pool, spawn, pure):
-    if not mutex.ACCELERATED and not pure:
+    if not shlock.ACCELERATED and not pure:
         pytest.skip("shmcache._hot is not built here")
     mgr = make_pool(max_blocks=16)
     # the child uses the other implementation than this process's manager
     child = spawn("serve", mgr.name, env={"SHMCACHE_PURE": "1"} if not pure else {})
     child.ready()
     if not pure:
-        assert child.call("native") == "CtypesMutex"
+        assert child.call("native") == "RobustMutex"
         assert type(mgr._p.native).__name__ == "Hot"
     else:
         _python_only(mgr)
-        mgr._p.native = mgr._p.lock.native = mutex.CtypesMutex(mgr._p.mm)
+        mgr._p.native = mgr._p.lock.native = shlock.reference_mutex(mgr._p.mm)
     assert child.call("lock_enter") is True
     assert lock_is_busy(segment.path_for(mgr.name))
     got = {}
@@ -90,16 +90,16 @@ def test_the_two_implementations_exclude_each_other_across_processes(make_pool, 
 @pytest.mark.parametrize("pure", [False, True], ids=["c", "ctypes"])
 @pytest.mark.timeout(60)
 def test_a_dead_holder_hands_the_lock_on_and_marks_the_pool_dirty(make_pool, pure):
-    if not mutex.ACCELERATED and not pure:
+    if not shlock.ACCELERATED and not pure:
         pytest.skip("shmcache._hot is not built here")
     mgr = make_pool(max_blocks=16)
     held = mgr.get_new_blocks(2)
     code = textwrap.dedent(f"""
         import mmap, os, sys
-        from shmcache import mutex, segment
+        from shmcache import lock as shlock, segment
         fd = os.open(segment.path_for({mgr.name!r}), os.O_RDWR)
-        mm = mmap.mmap(fd, mutex.MUTEX_MAP_SIZE)
-        m = mutex.open_mutex(mm)
+        mm = mmap.mmap(fd, shlock.MUTEX_MAP_SIZE)
+        m = shlock.open_mutex(mm)
         assert m.trylock() == 0
         print("locked", flush=True)
         sys.stdin.readline()
@@ -121,7 +121,7 @@ def test_a_dead_holder_hands_the_lock_on_and_marks_the_pool_dirty(make_pool, pur
     finally:
         proc.kill()
     mm = _map(mgr.name)
-    m = mutex.open_mutex(mm) if not pure else mutex.CtypesMutex(mm)
+    m = shlock.open_mutex(mm) if not pure else shlock.reference_mutex(mm)
     try:
         assert m.trylock() == 1                 # taken from the dead holder
         assert mgr._p.c[L.C_DIRTY] == 1         # ... and the pool marked for repair
@@ -151,7 +151,7 @@ def test_a_self_deadlock_raises_instead_of_hanging(make_pool):
 @needs_c
 def test_released_mapping_is_refused_not_touched(make_pool):
     mgr = make_pool()
-    h = mutex.open_hot(mgr._p.mm, mgr._p.layout, mgr._p.created_at)
+    h = shlock.open_hot(mgr._p.mm, mgr._p.layout, mgr._p.created_at)
     h.release()
     with pytest.raises(ValueError, match="released"):
         h.trylock()
@@ -276,10 +276,10 @@ def test_the_c_fast_path_refuses_a_stale_view_and_a_dirty_pool(make_pool):
 
 _HOLDER = textwrap.dedent("""
     import ctypes, mmap, os, sys
-    from shmcache import layout as L, mutex, segment
+    from shmcache import layout as L, lock as shlock, segment
     fd = os.open(segment.path_for(sys.argv[1]), os.O_RDWR)
-    mm = mmap.mmap(fd, mutex.MUTEX_MAP_SIZE)
-    m = mutex.open_mutex(mm)
+    mm = mmap.mmap(fd, shlock.MUTEX_MAP_SIZE)
+    m = shlock.open_mutex(mm)
     assert m.trylock() == 0
     print("locked", flush=True)
     for cmd in sys.stdin:
@@ -317,7 +317,7 @@ def _tell(proc, cmd):
 def _native_of(mgr, pure):
     if pure:
         _python_only(mgr)
-        mgr._p.native = mgr._p.lock.native = mutex.CtypesMutex(mgr._p.mm)
+        mgr._p.native = mgr._p.lock.native = shlock.reference_mutex(mgr._p.mm)
     return mgr._p.native
 
 
@@ -325,7 +325,7 @@ def _native_of(mgr, pure):
 @pytest.mark.timeout(60)
 def test_a_waiter_gets_a_lock_whose_unlocker_died_before_the_wake(make_pool, pure):
     """The unlocker clears the lock word and is killed before its futex wake."""
-    if not mutex.ACCELERATED and not pure:
+    if not shlock.ACCELERATED and not pure:
         pytest.skip("shmcache._hot is not built here")
     mgr = make_pool(max_blocks=16)
     native = _native_of(mgr, pure)
@@ -387,7 +387,7 @@ def test_a_waiter_gets_the_lock_when_the_woken_waiter_is_killed_before_it_runs(m
     the free lock by CAS, so the word has no FUTEX_WAITERS bit; W1 is SIGKILLed
     (the kernel's exit handling wakes nobody: the word names a live owner);
     the third unlocks without a wake. W2 must still get the lock."""
-    if not mutex.ACCELERATED and not pure:
+    if not shlock.ACCELERATED and not pure:
         pytest.skip("shmcache._hot is not built here")
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
@@ -405,7 +405,7 @@ def test_a_waiter_gets_the_lock_when_the_woken_waiter_is_killed_before_it_runs(m
         env["SHMCACHE_PURE"] = "1"
     procs = []
     mm = _map(mgr.name)
-    third = mutex.open_mutex(mm) if not pure else mutex.CtypesMutex(mm)
+    third = shlock.open_mutex(mm) if not pure else shlock.reference_mutex(mm)
     try:
         os.sched_setaffinity(0, {cpu_a})
         w1 = subprocess.Popen([sys.executable, "-c", _WAITER, mgr.name, str(cpu_b)],
@@ -457,7 +457,7 @@ def test_a_lock_word_naming_a_dead_thread_is_taken_over(make_pool, pure):
     robust-list entry), used to make every locker wait forever: now the
     owner is found gone after about a second and the lock is taken as from
     a dead holder (the pool marked dirty, so it is repaired)."""
-    if not mutex.ACCELERATED and not pure:
+    if not shlock.ACCELERATED and not pure:
         pytest.skip("shmcache._hot is not built here")
     mgr = make_pool(max_blocks=16)
     native = _native_of(mgr, pure)

@@ -503,7 +503,7 @@ def test_creation_without_o_tmpfile_or_proc(pool_name, monkeypatch, how):
     else:
         def no_proc(fd, path):
             raise OSError(errno.ENOENT, "No such file or directory")
-        monkeypatch.setattr(segment, "_link_fd", no_proc)
+        monkeypatch.setattr(segment, "link_fd", no_proc)
     m = shmcache.create_pool(pool_name, block_size=4, max_blocks=8)
     try:
         assert stat.S_IMODE(os.stat(shm_path(pool_name)).st_mode) == 0o600

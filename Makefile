@@ -17,7 +17,7 @@ setup: $(STAMP)
 		fi; \
 	fi
 
-$(STAMP): pyproject.toml setup.py shmcache/_hot.c shmcache/_hot_mutex.h shmcache/_gather.c shmcache/_gather.h shmcache/_gather_pool.h shmcache/_mlxbuf.cpp
+$(STAMP): pyproject.toml setup.py shmcache/_hot.c shmcache/_hot_mutex.h shmcache/_native/mlxbuf.cpp
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test]'

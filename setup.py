@@ -1,13 +1,12 @@
 """Build script for the optional native accelerators (everything else is in pyproject.toml).
 
 ``shmcache._hot`` holds the pool's robust mutex calls and the fused
-allocate/free paths; ``shmcache._gather`` the KV read's gather copy;
-``shmcache._mlxbuf`` (C++, against MLX's headers, with nanobind as MLX's own
-bindings are) makes the new MLX arrays that the gather writes into. All three
-are optional: where one cannot be compiled the package installs without it
-and uses the same mutex through ctypes, the same operations in Python
-(``shmcache/fastpath.py``), numpy's ``take`` for the gather, and MLX's Python
-API for the arrays (``shmcache/mxbuf.py``), only slower.
+allocate/free paths. ``shmcache._mlxbuf`` (C++, ``shmcache/_native/``, built
+against MLX's headers with nanobind, as MLX's own bindings are) copies a KV
+read straight into new MLX arrays. Both are optional: where one cannot be
+compiled the package installs without it and uses the same mutex through
+ctypes, the same operations in Python (``shmcache/fastpath.py``), and numpy
+for the KV read (``shmcache/kv.py``), only slower.
 """
 
 import os
@@ -37,24 +36,21 @@ def _mlxbuf():
         link = ["-Wl,-rpath,@loader_path/../mlx/lib", "-undefined", "dynamic_lookup"]
     return [Extension(
         "shmcache._mlxbuf",
-        ["shmcache/_mlxbuf.cpp", os.path.join(nb, "nb_combined.cpp")],
-        depends=["shmcache/_gather.h", "shmcache/_gather_pool.h"], optional=True, language="c++",
+        ["shmcache/_native/mlxbuf.cpp", os.path.join(nb, "nb_combined.cpp")],
+        optional=True, language="c++",
         include_dirs=[nanobind.include_dir(), os.path.join(nb, "..", "ext", "robin_map", "include"),
                       os.path.join(root, "include")],
         # NB_DOMAIN=mlx: share MLX's nanobind type registry, so that the
         # arrays we return are mlx.core.array.
         define_macros=[("NB_DOMAIN", "mlx"), ("NB_COMPACT_ASSERTIONS", None), ("NDEBUG", None),
                        ("SHMCACHE_MLX_VERSION", mx.__version__)],
-        extra_compile_args=["-O2", "-std=c++20", "-fvisibility=hidden", "-fno-strict-aliasing",
-                            "-pthread"],
-        library_dirs=[os.path.join(root, "lib")], libraries=["mlx"], extra_link_args=link + ["-pthread"],
+        extra_compile_args=["-O2", "-std=c++20", "-fvisibility=hidden", "-fno-strict-aliasing"],
+        library_dirs=[os.path.join(root, "lib")], libraries=["mlx"], extra_link_args=link,
     )]
 
 
 setup(ext_modules=[
     Extension("shmcache._hot", ["shmcache/_hot.c"], depends=["shmcache/_hot_mutex.h"], optional=True,
               extra_compile_args=_FLAGS),
-    Extension("shmcache._gather", ["shmcache/_gather.c"], depends=["shmcache/_gather.h", "shmcache/_gather_pool.h"], optional=True,
-              extra_compile_args=_FLAGS + ["-pthread"], extra_link_args=["-pthread"]),
     *_mlxbuf(),
 ])

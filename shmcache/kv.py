@@ -1,12 +1,16 @@
-"""KV payload reads and writes between the shared arena and MLX arrays.
+"""The KV arena: payload writes and reads between MLX arrays and the shared arena.
 
-The arena is shaped (L, max_blocks, 2, H, T, D) (see ``layout``). A read
-gathers the requested blocks of one layer straight into the memory of a new
-MLX array: MLX cannot import CPU memory without a copy, so we allocate the
-MLX array first and gather into a zero-copy view of it, with the C gather
-(``shmcache._gather``) where it is built and numpy ``take`` where not. That
-one gather is the only copy. Writes go the other way: a zero-copy numpy view
-of the (evaluated) MLX array is assigned into the arena.
+The arena is shaped (L, max_blocks, 2, H, T, D) (see ``layout``). A write
+assigns a zero-copy numpy view of the (evaluated) MLX array into it. A read
+of one layer of n blocks gives K and V, each (H, n*T, D), in one of two ways:
+
+- native (``shmcache._mlxbuf``, C++, where it was built against this very
+  MLX version and passes a self-check): the blocks are copied straight into
+  a new MLX buffer, in one call, one copy;
+- numpy, everywhere else (or with ``SHMCACHE_PURE`` set): the blocks are
+  copied into a numpy buffer, then ``mx.array`` copies that into MLX.
+
+Both give the same bytes (tests/test_kv.py compares them).
 """
 
 from __future__ import annotations
@@ -16,43 +20,40 @@ import os
 import mlx.core as mx
 import numpy as np
 
-from shmcache import mxbuf
-
-try:
-    if os.environ.get("SHMCACHE_PURE"):
-        raise ImportError("SHMCACHE_PURE is set")
-    from shmcache._gather import gather as _gather
-except ImportError:
-    _gather = None
-
-
-def _gather_threads() -> int:
-    env = os.environ.get("SHMCACHE_GATHER_THREADS")
-    if env is not None:
-        if not env.isdigit() or int(env) < 1:
-            raise ValueError(f"SHMCACHE_GATHER_THREADS must be a positive int, got {env!r}")
-        return int(env)
-    # NOTE: two at most, and reads use the second only past _STAGED_BYTES.
-    # The helper is kept between calls and spins 0.3 ms after each job (see
-    # _gather_pool.h): a 512-block fp16 read took 272 us with it against 476
-    # on one thread, a 64-block one 33 against 38 (``python -m
-    # tools.profile_read_kv``). Small reads stay on one thread because the
-    # workers make them every decode step, and a helper spinning after each
-    # would take a vCPU from the other workers for the little it saves.
-    return min(2, len(os.sched_getaffinity(0)))
-
-
-_THREADS = _gather_threads()
-
 _MX = {"float16": mx.float16, "float32": mx.float32, "bfloat16": mx.uint16}   # storage
 _DT = {**_MX, "bfloat16": mx.bfloat16}                                          # as read
 
 
-def _np_view(a: mx.array) -> np.ndarray:
-    return np.array(a, copy=False)
+def _load_native():
+    if os.environ.get("SHMCACHE_PURE"):
+        return None
+    try:
+        from shmcache import _mlxbuf
+    except ImportError:
+        return None
+    # NOTE: the module uses MLX's backend API, whose layout may change between
+    # versions: only the exact version it was compiled against is trusted,
+    # and only if a round trip gives back what was written (a module left
+    # from an older build, with other arguments, fails it too).
+    if getattr(_mlxbuf, "MLX_VERSION", None) != mx.__version__:
+        return None
+    try:
+        arena = np.arange(24, dtype=np.float32).reshape(1, 3, 2, 1, 2, 2)   # (L, M, 2, H, T, D)
+        k, v = _mlxbuf.read_layer(arena, [2, 0], 0, mx.float32)
+        want = arena[0, [2, 0]].transpose(1, 2, 0, 3, 4).reshape(2, 1, 4, 2)  # (2, H, n*T, D)
+        ok = (isinstance(k, mx.array) and k.dtype == mx.float32 and k.shape == (1, 4, 2)
+              and np.array_equal(np.array(k), want[0]) and np.array_equal(np.array(v), want[1]))
+    except Exception:
+        return None
+    return _mlxbuf if ok else None
+
+
+_native = _load_native()
 
 
 def check_layer(p, layer) -> None:
+    """Raises ValueError unless ``p`` has a KV arena and ``layer`` is an int
+    in [0, num_layers)."""
     L = p.layout.num_layers
     if p.arena is None:
         raise ValueError(f"pool {p.name!r} has no KV arena (num_layers=0)")
@@ -78,7 +79,7 @@ def as_storage(p, x, name: str = "keys") -> np.ndarray:
         else:
             x = x.astype(_MX[lay.dtype])
         mx.eval(x)
-        return _np_view(x)
+        return np.array(x, copy=False)
     arr = np.asarray(x)
     if lay.dtype == "bfloat16":
         if arr.dtype != np.uint16:
@@ -92,6 +93,22 @@ def as_storage(p, x, name: str = "keys") -> np.ndarray:
 
 
 def write(p, block_id: int, layer: int, keys, values, start: int = 0) -> None:
+    """Write tokens ``start:start+t`` of one block's K and V in one layer.
+
+    The caller has checked the block (held, not the null block) and the layer.
+
+    Args:
+        p: the pool.
+        block_id: the block.
+        layer: the layer.
+        keys, values: ``# (H, t, D)`` each, floating point (see ``as_storage``).
+        start: the first token slot written.
+
+    Raises:
+        TypeError: see ``as_storage``.
+        ValueError: a shape other than ``(H, t, D)``, keys and values of
+            different shapes, or tokens that do not fit the block.
+    """
     lay = p.layout
     k, v = as_storage(p, keys, "keys"), as_storage(p, values, "values")
     want = (lay.num_kv_heads, lay.head_dim)
@@ -108,132 +125,57 @@ def write(p, block_id: int, layer: int, keys, values, start: int = 0) -> None:
     p.arena[layer, block_id, 1, :, start:start + t, :] = v
 
 
-_PAGE = 4096
-# Reads up to this many bytes (K and V) are staged: gathered into numpy memory
-# and copied into MLX by the array constructor, in this thread. Larger reads
-# are gathered straight into a new MLX buffer (``mxbuf.filled``), which
-# takes an evaluation.
-# NOTE: an evaluation hands work to MLX's stream thread and waits for it:
-# 50-150 us on the development VM when that thread has gone idle, about what
-# copying 2-4 MiB costs, so below that the second copy is the cheaper one.
-_STAGED_BYTES = 4 << 20
-
-
-def _l3_bytes(base: str = "/sys/devices/system/cpu/cpu0/cache"):
-    try:
-        entries = sorted(e for e in os.listdir(base) if e.startswith("index"))
-    except OSError:
-        return None
-    for idx in entries:
-        try:
-            with open(f"{base}/{idx}/level") as f:
-                if f.read().strip() != "3":
-                    continue
-            with open(f"{base}/{idx}/size") as f:
-                size = f.read().strip()
-            unit = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 1)
-            return int(size.rstrip("KM")) * unit
-        except (OSError, ValueError):
-            continue
-    return None
-
-
-def _shared_stream_bytes(l3) -> int:
-    # NOTE: what a read copies while a helper thread shares it (see
-    # _gather_pool.h) uses non-temporal stores past this many bytes (K and
-    # V): 3/8 of the L3, i.e. past where the source and the result together
-    # no longer fit in 3/4 of it. Below that, ordinary stores leave the result
-    # in cache for the attention that reads it next, and with two threads
-    # were faster: in 4 interleaved rounds, 8 MiB reads went from 0.77-1.07x
-    # of np.copyto streamed to 1.32-1.83x not, while 16 MiB ones were faster
-    # streamed (1.63-1.78x against 1.06-1.35x), with a 32 MiB L3. One thread
-    # alone is the other way round (8 MiB: 0.85-0.91x streamed, 0.32-0.69x
-    # not: one core's line-fill buffers are the limit, and ordinary stores
-    # also read each line first), so what the caller copies before a helper
-    # joins keeps _STAGED_BYTES (4 MiB). ``python -m tools.profile_read_kv
-    # --blocks 512`` shows both. Without /sys (not Linux) 4 MiB; sysconf's
-    # L3 figure is not used because on this VM it says 320 MiB.
-    return max(_STAGED_BYTES, 3 * l3 // 8) if l3 else _STAGED_BYTES
-
-
-_SHARED_STREAM_BYTES = _shared_stream_bytes(_l3_bytes())
-
-
-def _place(base: int, srcs, nbytes: int):
-    # NOTE: each block's run in the arena starts on a page, and a large
-    # buffer a few bytes past one; with the destination a few bytes off
-    # the source's page offset, the chunk copies ran about 5x slower (4K
-    # aliasing). So K and V are placed at their sources' page offsets, using
-    # the page of slack allocated for each.
-    ok = (srcs[0].ctypes.data - base) % _PAGE
-    return ok, ok + nbytes + (srcs[1].ctypes.data - (base + ok + nbytes)) % _PAGE
-
-
-def _gather_into(p, buf, srcs, ids, offs, threads: int) -> None:
-    H, n = p.layout.num_kv_heads, ids.size
-    # srcs: one layer's K and V, each (max_blocks, H, T, D), block stride 2*H chunks
-    chunk, stride = srcs[0].strides[1], srcs[0].strides[0]
-    if _gather is not None:
-        hs = np.arange(H, dtype=np.int64)
-        src_offs = (np.array([s.ctypes.data for s in srcs], dtype=np.int64)
-                    - p.arena.ctypes.data)[:, None] + hs * chunk
-        dst_offs = np.array(offs, dtype=np.int64)[:, None] + hs * (n * chunk)
-        _gather(buf, p.arena, ids, src_offs.ravel(), dst_offs.ravel(), chunk, threads, stride,
-                _STAGED_BYTES, _SHARED_STREAM_BYTES)
-        return
-    nbytes = H * n * chunk
-    for s, o in zip(srcs, offs):
-        out = buf[o:o + nbytes].view(s.dtype).reshape(H, n, *s.shape[2:]).transpose(1, 0, 2, 3)
-        # NOTE: mode="clip" (ids are validated by the caller): with the
-        # default mode="raise" numpy buffers ``out`` and copies twice.
-        np.take(s, ids, axis=0, out=out, mode="clip")
-
-
 def read_fast(p, block_ids, layer: int):
-    """K and V in one native call, or None where that call does not apply.
+    """The native read of unchecked ids, or None where it does not apply.
 
     None (nothing done) without the native module, when ``block_ids`` is not
-    a list or tuple of plain ints in range, or when the result would not fit
-    2 GiB; ``read`` (after the caller has checked the ids) then does it.
-    The caller has checked ``layer`` and that the pool is usable.
+    a list or tuple of plain ints in [0, max_blocks), or when the result would
+    not fit 2 GiB; the caller then checks the ids and calls ``read``. The
+    caller has checked ``layer`` and that the pool is usable.
+
+    Returns:
+        ``(keys, values)``, each ``# (H, n*T, D)`` in the pool's dtype, or None.
     """
-    nat = mxbuf.native
-    if nat is None:
+    if _native is None:
         return None
-    return nat.read_layer(p.arena, block_ids, layer, _DT[p.layout.dtype], _THREADS, _STAGED_BYTES,
-                          _STAGED_BYTES, _SHARED_STREAM_BYTES)
+    return _native.read_layer(p.arena, block_ids, layer, _DT[p.layout.dtype])
 
 
 def read(p, block_ids, layer: int):
+    """K and V of blocks ``block_ids`` in one layer, in that order.
+
+    The native read where it applies, else numpy. The caller has checked the
+    ids (plain ints in range), ``layer`` and that the pool is usable.
+
+    Args:
+        p: the pool.
+        block_ids: a list of block ids (ints), repeats allowed.
+        layer: the layer.
+
+    Returns:
+        ``(keys, values)``, new MLX arrays (copies), each ``# (H, n*T, D)``
+        in the pool's dtype (bfloat16 pools: bfloat16, stored as uint16).
+    """
     out = read_fast(p, block_ids, layer)
     if out is not None:
         return out
     lay = p.layout
-    ids = np.asarray(block_ids, dtype=np.int64)
-    H, n, T, D = lay.num_kv_heads, ids.size, lay.block_size, lay.head_dim
-    nbytes = H * n * T * D * p.arena.itemsize
-    srcs = (p.arena[layer, :, 0], p.arena[layer, :, 1])
-    dt = _DT[lay.dtype]
-    total = 2 * nbytes + 2 * _PAGE
-    if 2 * nbytes <= _STAGED_BYTES:
-        buf = np.empty(total, dtype=np.uint8)
-        offs = _place(buf.ctypes.data, srcs, nbytes)
-        _gather_into(p, buf, srcs, ids, offs, 1)
-        k, v = (mx.array(buf[o:o + nbytes].view(p.arena.dtype).reshape(H, n * T, D))
-                for o in offs)
-        return (k.view(dt), v.view(dt)) if lay.dtype == "bfloat16" else (k, v)
-    box = []
-
-    def fill(buf):
-        box.append(_place(buf.ctypes.data, srcs, nbytes))
-        _gather_into(p, buf, srcs, ids, box[-1], _THREADS)
-    raw = mxbuf.filled(total, fill)
-    # Views of the one buffer (MLX copies nothing); holding either keeps both.
-    # They are left unevaluated: whoever uses them evaluates them for free
-    # with the rest of their graph, which saves a second hand-off.
-    return tuple(raw[o:o + nbytes].view(dt).reshape(H, n * T, D) for o in box[-1])
+    H, n, T, D = lay.num_kv_heads, len(block_ids), lay.block_size, lay.head_dim
+    buf = np.empty((2, H, n, T, D), dtype=p.arena.dtype)        # (K|V, H, n, T, D)
+    slots = buf.transpose(2, 0, 1, 3, 4)                         # (n, K|V, H, T, D)
+    src = p.arena[layer]                                         # (max_blocks, 2, H, T, D)
+    # NOTE: a loop over blocks: np.take into the transposed buffer took 2x
+    # as long at 128 blocks, and 50x from a K or V view of the arena (numpy
+    # copied the whole layer to make it contiguous first).
+    for i, b in enumerate(block_ids):
+        slots[i] = src[b]
+    k, v = (mx.array(buf[kv].reshape(H, n * T, D)) for kv in (0, 1))
+    if lay.dtype == "bfloat16":
+        return k.view(mx.bfloat16), v.view(mx.bfloat16)
+    return k, v
 
 
 def copy_block(p, src: int, dst: int) -> None:
+    """Copy block ``src``'s K and V, every layer, onto block ``dst``."""
     if p.arena is not None:
         p.arena[:, dst] = p.arena[:, src]

@@ -8,7 +8,6 @@ import pytest
 
 import shmcache
 from shmcache import kv as kvmod
-from shmcache import mxbuf
 
 from _helpers import layer_kv
 
@@ -238,56 +237,55 @@ def test_default_pool_has_small_arena():
         m.close()
 
 
-WAYS = ["native", "staged", "filled"]
+WAYS = ["native", "numpy"]
 
 
 def use_way(monkeypatch, way):
-    """Force one of read()'s ways of making the MLX arrays."""
+    """Force one of read()'s two paths."""
     if way == "native":
-        if mxbuf.native is None:
+        if kvmod._native is None:
             pytest.skip("shmcache._mlxbuf is not usable here")
     else:
-        monkeypatch.setattr(mxbuf, "native", None)
-        monkeypatch.setattr(kvmod, "_STAGED_BYTES", 1 << 30 if way == "staged" else 0)
+        monkeypatch.setattr(kvmod, "_native", None)
+
+
+def raw_bytes(x: mx.array) -> bytes:
+    """The array's bytes as stored (bfloat16 as its uint16 words)."""
+    return np.array(x.view(mx.uint16) if x.dtype == mx.bfloat16 else x).tobytes()
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
-@pytest.mark.parametrize("way", ["native", "filled"])
-def test_large_read_is_exact_aligned_and_independent(make_pool, monkeypatch, dtype, way):
-    use_way(monkeypatch, way)
-    h, d, t = 4, 32, 32
-    # past the staged size, so the gather lands straight in MLX memory
-    itemsize = 4 if dtype == "float32" else 2
-    n = kvmod._STAGED_BYTES // (2 * h * t * d * itemsize) + 8
-    m = make_pool(block_size=t, max_blocks=n + 40, num_layers=2, num_kv_heads=h,
-                  head_dim=d, dtype=dtype)
-    rng = np.random.default_rng(0)
-    m._p.arena[...] = rng.integers(0, 1 << 14, m._p.arena.shape).astype(m._p.arena.dtype)
-    ids = rng.permutation(np.arange(n + 40))[:n].tolist()
-    want = layer_kv(m._p.arena, ids, 1)
-    rk, rv = m.read_kv(ids, 1)
-    rk2, _ = m.read_kv(ids, 1)
-
-    def np_of(x):
-        return np.array(x.view(mx.uint16) if dtype == "bfloat16" else x, copy=False)
-    for got, w in ((rk, want[0]), (rv, want[1]), (rk2, want[0])):
-        assert got.dtype == MXDT[dtype] and got.shape == (h, n * t, d)
-        assert np.array_equal(np_of(got), w)
-    ptrs = [np_of(x).ctypes.data for x in (rk, rv, rk2)]
-    assert len(set(ptrs)) == 3                     # no aliasing between or within reads
-    # each lands at its source's offset within a page (the gather's speed depends on it)
-    for x, kv in ((rk, 0), (rv, 1)):
-        assert np_of(x).ctypes.data % 4096 == m._p.arena[1, 0, kv].ctypes.data % 4096
-    m._p.arena[...] = 0                            # later writes do not show through
-    assert np.array_equal(np_of(rk), want[0])
+def test_both_paths_give_the_written_bytes(make_pool, monkeypatch, dtype):
+    """The native read and the numpy read agree byte for byte, with each
+    other and with what write_kv wrote, in block order (repeats too), as
+    (H, n*T, D) arrays of the pool's dtype."""
+    if kvmod._native is None:
+        pytest.skip("shmcache._mlxbuf is not usable here: only one path to compare")
+    m = kv_pool(make_pool, dtype)
+    ids = [b.block_id for b in m.get_new_blocks(4)]
+    written = {}
+    for i, b in enumerate(ids):
+        for layer in (0, 1):
+            k, v = rand(10 * i + layer, dtype=dtype), rand(100 + 10 * i + layer, dtype=dtype)
+            m.write_kv(b, layer, k, v)
+            written[b, layer] = (k, v)
+    order = [ids[3], ids[0], ids[0], ids[2]]
+    native = m.read_kv(order, 1)
+    monkeypatch.setattr(kvmod, "_native", None)
+    plain = m.read_kv(order, 1)
+    for which in (0, 1):
+        want = mx.concatenate([written[b, 1][which] for b in order], axis=1)
+        for got in (native[which], plain[which]):
+            assert got.dtype == MXDT[dtype] and got.shape == (H, len(order) * T, D)
+            assert raw_bytes(got) == raw_bytes(want)
+        assert raw_bytes(native[which]) == raw_bytes(plain[which])
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("way", WAYS)
 def test_every_way_of_reading_agrees(make_pool, monkeypatch, dtype, way):
-    """Each way of making the arrays (native, staged through numpy, straight
-    into an mx.load buffer) gives the arena's bytes, in block order,
-    independent of later writes."""
+    """Each path gives the arena's bytes, in block order, independent of
+    later writes."""
     m = kv_pool(make_pool, dtype, layers=2)
     rng = np.random.default_rng(3)
     m._p.arena[...] = rng.integers(0, 1 << 14, m._p.arena.shape).astype(m._p.arena.dtype)
@@ -303,6 +301,38 @@ def test_every_way_of_reading_agrees(make_pool, monkeypatch, dtype, way):
         assert np.array_equal(np.array(raw), w)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("way", WAYS)
+def test_large_read_is_exact_and_independent(make_pool, monkeypatch, dtype, way):
+    """An engine-sized read (8 MiB of float16 K and V): exact, no aliasing
+    between or within reads; the native one lands at its sources' offsets
+    within a page (the copy's speed depends on it)."""
+    use_way(monkeypatch, way)
+    h, d, t = 8, 128, 16
+    n = 128
+    m = make_pool(block_size=t, max_blocks=n + 40, num_layers=2, num_kv_heads=h,
+                  head_dim=d, dtype=dtype)
+    rng = np.random.default_rng(0)
+    m._p.arena[...] = rng.integers(0, 1 << 14, m._p.arena.shape).astype(m._p.arena.dtype)
+    ids = rng.permutation(np.arange(n + 40))[:n].tolist()
+    want = layer_kv(m._p.arena, ids, 1)
+    rk, rv = m.read_kv(ids, 1)
+    rk2, _ = m.read_kv(ids, 1)
+
+    def np_of(x):
+        return np.array(x.view(mx.uint16) if dtype == "bfloat16" else x, copy=False)
+    for got, w in ((rk, want[0]), (rv, want[1]), (rk2, want[0])):
+        assert got.dtype == MXDT[dtype] and got.shape == (h, n * t, d)
+        assert np.array_equal(np_of(got), w)
+    ptrs = [np_of(x).ctypes.data for x in (rk, rv, rk2)]
+    assert len(set(ptrs)) == 3
+    if way == "native":
+        for x, kv in ((rk, 0), (rv, 1)):
+            assert np_of(x).ctypes.data % 4096 == m._p.arena[1, 0, kv].ctypes.data % 4096
+    m._p.arena[...] = 0                            # later writes do not show through
+    assert np.array_equal(np_of(rk), want[0])
+
+
 @pytest.mark.parametrize("way", WAYS)
 def test_empty_read(make_pool, monkeypatch, way):
     use_way(monkeypatch, way)
@@ -311,29 +341,9 @@ def test_empty_read(make_pool, monkeypatch, way):
     assert k.shape == v.shape == (H, 0, D) and k.dtype == mx.float32
 
 
-def test_stream_threshold_is_three_eighths_of_the_l3():
-    assert kvmod._shared_stream_bytes(32 << 20) == 12 << 20
-    assert kvmod._shared_stream_bytes(8 << 20) == kvmod._STAGED_BYTES     # never below 4 MiB
-    assert kvmod._shared_stream_bytes(None) == kvmod._STAGED_BYTES        # L3 unknown
-    l3 = kvmod._l3_bytes()
-    assert l3 is None or l3 >= 1 << 20
-    assert kvmod._SHARED_STREAM_BYTES == kvmod._shared_stream_bytes(l3)
-
-
-def test_l3_read_from_sys(tmp_path):
-    for idx, level, size in (("index0", "1", "32K"), ("index2", "2", "1024K"),
-                             ("index3", "3", "32768K")):
-        (tmp_path / idx).mkdir()
-        (tmp_path / idx / "level").write_text(level + "\n")
-        (tmp_path / idx / "size").write_text(size + "\n")
-    (tmp_path / "uevent").write_text("")            # other entries are passed over
-    (tmp_path / "power").mkdir()
-    assert kvmod._l3_bytes(str(tmp_path)) == 32 << 20
-    (tmp_path / "index3" / "size").write_text("32M\n")
-    assert kvmod._l3_bytes(str(tmp_path)) == 32 << 20
-    (tmp_path / "index3" / "level").write_text("2\n")
-    assert kvmod._l3_bytes(str(tmp_path)) is None
-    assert kvmod._l3_bytes(str(tmp_path / "missing")) is None
+def test_pure_env_disables_the_native_read(monkeypatch):
+    monkeypatch.setenv("SHMCACHE_PURE", "1")
+    assert kvmod._load_native() is None
 
 
 # ---------------------------------------------------------------- whose block

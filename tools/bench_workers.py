@@ -27,7 +27,6 @@ def bench_gather() -> list:
     import mlx.core as mx
 
     import shmcache
-    from shmcache import kv as kvmod
     rows = []
     for dtype in ("float32", "float16"):
         mgr = shmcache.PagedCacheManager(block_size=BS, max_blocks=2048, num_layers=1,
@@ -60,16 +59,6 @@ def bench_gather() -> list:
                                 section=SECTION,
                                 note="the same two, timed turn about, so that each finds "
                                      "the cache as the other left it"))
-                if n == 512 and kvmod._THREADS > 1:
-                    kvmod._THREADS, threads = 1, kvmod._THREADS
-                    try:
-                        t_ours, t_plain = _alternating(ours, plain, 101)
-                    finally:
-                        kvmod._THREADS = threads
-                    rows.append(row(what + ", 1 thread, alternating", nbytes / t_ours / 1e9,
-                                    nbytes / t_plain / 1e9, unit="GB/s", section=SECTION,
-                                    note="SHMCACHE_GATHER_THREADS=1 (by default reads over "
-                                         "4 MiB use 2); no target: shows what the 2nd buys"))
         finally:
             mgr.close()
     return rows

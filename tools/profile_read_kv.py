@@ -1,95 +1,101 @@
-"""Where a read_kv call spends its time, piece by piece, next to np.copyto.
+"""What one read_kv call costs at the sizes the engine reads, next to np.copyto.
 
-    python -m tools.profile_read_kv [--blocks 64 512] [--dtype float16 float32]
+    python -m tools.profile_read_kv [--shape llama8b|demo] [--blocks 16 128 512] [--cold]
 
-For each size: the read evaluated and not; where the native module is built,
-its one call (``read_layer``) alone, with one thread and with two, each at
-read_kv's thresholds for non-temporal stores (see kv._shared_stream_bytes)
-and with its stores all non-temporal and all not; the fallback's pieces
-(the id check and the staged read); the raw C gather from the shared arena
-and from a private numpy copy of it (the difference is what shared memory
-costs), each into a buffer at the source's page offset; and np.copyto of the
-same bytes into a kept buffer. Medians of 301 calls,
-microseconds. Leaves nothing in /dev/shm.
+One read is one layer of one sequence's prefix (``mlx_lm.load_prefix``).
+``llama8b``: a Llama-3-8B layer (8 KV heads of 128, float16); ``demo``: the
+demo model's (4 KV heads of 32, float32); 16-token blocks either way. For
+each size: ``read_kv`` evaluated, by the native path where it is built and by
+the numpy path, and np.copyto of the same bytes into a kept buffer. With
+``--cold``, 64 MiB are written elsewhere before each call (not timed), so that
+the arena comes from memory, as it does between other layers' work. Medians
+of ``--reps`` calls, microseconds; each row is timed in ``--rounds`` rounds,
+interleaved, and printed as the median and the range of the rounds' medians.
+Leaves nothing in /dev/shm.
+
+(Only public API and ``kv._native`` are used, so that the same file also
+times an older tree: copy it there and run it the same way.)
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 
+import shmcache               # first: it picks MLX's BLAS before mlx is imported
 import mlx.core as mx
 import numpy as np
 
-import shmcache
 from shmcache import kv as kvmod
-from shmcache import mxbuf
-from tools.bench_workers import _best
+
+SHAPES = {"llama8b": (8, 128, "float16"), "demo": (4, 32, "float32")}   # (H, D, dtype)
+BLOCK = 16
 
 
-def _median_us(fn, reps: int = 301) -> float:
-    return _best(fn, reps) * 1e6
+def _median_us(fn, reps: int, flush) -> float:
+    fn()
+    ts = []
+    for _ in range(reps):
+        if flush is not None:
+            flush += 1           # reads and writes every line: evicts the arena from the caches
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts)) * 1e6
 
 
-def profile(n: int, dtype: str, heads: int = 4, block_size: int = 32, head_dim: int = 32) -> dict:
-    mgr = shmcache.PagedCacheManager(max_blocks=2048, block_size=block_size, num_layers=1,
-                                     num_kv_heads=heads, head_dim=head_dim, dtype=dtype)
+def profile(n: int, shape: str = "llama8b", reps: int = 51, rounds: int = 3,
+            cold: bool = False) -> dict:
+    """{row: (median, lowest, highest) of the rounds' medians, us} for an n-block read."""
+    H, D, dtype = SHAPES[shape]
+    mgr = shmcache.PagedCacheManager(max_blocks=max(2048, 4 * n), block_size=BLOCK,
+                                     num_layers=1, num_kv_heads=H, head_dim=D, dtype=dtype)
     try:
-        p = mgr._p
-        p.arena[...] = 1
-        ids_l = np.random.default_rng(0).permutation(np.arange(1, 2048))[:n].tolist()
-        ids = np.asarray(ids_l, dtype=np.int64)
-        srcs = (p.arena[0, :, 0], p.arena[0, :, 1])    # (max_blocks, H, T, D) each
-        nbytes = srcs[0][:1].nbytes * n
-        out = {"read_kv + eval": _median_us(lambda: mx.eval(*mgr.read_kv(ids_l, 0))),
-               "read_kv": _median_us(lambda: mgr.read_kv(ids_l, 0)),
-               "fallback: id check": _median_us(lambda: mgr._bids(ids_l))}
-        if mxbuf.native is not None:
-            dt = kvmod._DT[dtype]
-            for t in (1, 2):
-                name = f"native read_layer, {t} thread{'s' * (t > 1)}"
-                for what, alone, shared in (("", kvmod._STAGED_BYTES, kvmod._SHARED_STREAM_BYTES),
-                                            (", streamed", 0, 0),
-                                            (", not streamed", 1 << 62, 1 << 62)):
-                    out[name + what] = _median_us(lambda: mx.eval(*mxbuf.native.read_layer(
-                        p.arena, ids_l, 0, dt, t, 0, alone, shared)))
-        native, mxbuf.native = mxbuf.native, None
-        try:
-            out["fallback: read + eval"] = _median_us(lambda: mx.eval(*kvmod.read(p, ids_l, 0)))
-        finally:
-            mxbuf.native = native
-        if kvmod._gather is not None:
-            chunk, stride = srcs[0].strides[1], srcs[0].strides[0]
-            so = np.array([s.ctypes.data - p.arena.ctypes.data + h * chunk
-                           for s in srcs for h in range(heads)], dtype=np.int64)
-            raw = np.empty(2 * nbytes + kvmod._PAGE, np.uint8)
-            at = (srcs[0].ctypes.data - raw.ctypes.data) % kvmod._PAGE
-            dst = raw[at:at + 2 * nbytes]          # at the source's page offset (see kv._place)
-            do = np.arange(2 * heads, dtype=np.int64) * n * chunk
-            private = p.arena.copy()
-            out["raw gather, shared arena"] = _median_us(
-                lambda: kvmod._gather(dst, p.arena, ids, so, do, chunk, 1, stride))
-            out["raw gather, private copy"] = _median_us(
-                lambda: kvmod._gather(dst, private, ids, so, do, chunk, 1, stride))
-        src, kept = np.ones(2 * nbytes, np.uint8), np.empty(2 * nbytes, np.uint8)
-        out["np.copyto, same bytes"] = _median_us(lambda: np.copyto(kept, src))
-        return out
+        arena = mgr._p.arena
+        arena.view(np.uint8)[...] = np.random.default_rng(0).integers(
+            0, 255, arena.nbytes, dtype=np.uint8).reshape(arena.view(np.uint8).shape)
+        ids = np.random.default_rng(1).permutation(np.arange(1, arena.shape[1]))[:n].tolist()
+        nbytes = 2 * arena[0, ids[:1], 0].nbytes * n
+        src, kept = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+        flush = np.zeros(64 << 20, np.uint8)[::64] if cold else None
+        native = getattr(kvmod, "_native", None)
+
+        def numpy_path():
+            kvmod._native = None
+            try:
+                mx.eval(*mgr.read_kv(ids, 0))
+            finally:
+                kvmod._native = native
+        rows = {"read_kv + eval": lambda: mx.eval(*mgr.read_kv(ids, 0))}
+        if native is not None:
+            rows["numpy path: read_kv + eval"] = numpy_path
+        rows["np.copyto, same bytes"] = lambda: np.copyto(kept, src)
+        got = {k: [] for k in rows}
+        for _ in range(rounds):
+            for k, fn in rows.items():
+                got[k].append(_median_us(fn, reps, flush))
+        return {k: (float(np.median(v)), min(v), max(v)) for k, v in got.items()}
     finally:
         mgr.close()
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--blocks", type=int, nargs="+", default=[64, 512])
-    ap.add_argument("--dtype", nargs="+", default=["float16", "float32"],
-                    choices=["float16", "bfloat16", "float32"])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama8b")
+    ap.add_argument("--blocks", type=int, nargs="+", default=[16, 128, 512])
+    ap.add_argument("--reps", type=int, default=51)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--cold", action="store_true")
     a = ap.parse_args(argv)
-    print(f"native read: {'yes' if mxbuf.native is not None else 'no'}; "
-          f"C gather: {'yes' if kvmod._gather is not None else 'no'}")
-    for dtype in a.dtype:
-        for n in a.blocks:
-            print(f"{n} blocks, {dtype}:")
-            for k, v in profile(n, dtype).items():
-                print(f"  {k:40s} {v:9.1f} us")
+    H, D, dtype = SHAPES[a.shape]
+    print(f"{a.shape}: H={H} T={BLOCK} D={D} {dtype}; native read: "
+          f"{'yes' if getattr(kvmod, '_native', None) is not None else 'no'}; "
+          f"{'cold' if a.cold else 'warm'}")
+    for n in a.blocks:
+        mib = 2 * n * H * BLOCK * D * np.dtype(dtype).itemsize / (1 << 20)
+        print(f"{n} blocks ({mib:.2f} MiB of K and V):")
+        for k, (med, lo, hi) in profile(n, a.shape, a.reps, a.rounds, a.cold).items():
+            print(f"  {k:30s} {med:9.1f} us  ({lo:.1f}-{hi:.1f})")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,157 @@
+// shmcache._mlxbuf: the KV read's one copy, straight into new MLX arrays.
+//
+// read_layer(arena, ids, layer, dtype) -> (k, v) | None
+//     One layer's K and V of the blocks `ids` from the pool's arena (a
+//     C-contiguous (L, max_blocks, 2, H, T, D) buffer, see shmcache/layout.py),
+//     each an evaluated (H, len(ids)*T, D) array of `dtype`, both views of
+//     one new MLX buffer that the blocks are copied into, in block order,
+//     with the GIL released. None (nothing done) unless `ids` is a list or
+//     tuple of plain ints in [0, max_blocks) and the result fits 2 GiB: the
+//     caller then takes its numpy path, which also says what was wrong.
+//     Raises ValueError for an arena of another shape, a layer out of range
+//     or a dtype whose item size is not the arena's.
+//
+// MLX_VERSION: the MLX version this module was compiled against.
+//
+// NOTE: why C++: MLX's Python API has no uninitialised arrays and cannot
+// adopt CPU memory without a copy, so filling a new array from Python pays a
+// zero fill or a second copy, plus a hand-off to MLX's stream thread to
+// evaluate it. Here the buffer comes from MLX's allocator and the arrays are
+// made the way MLX's own CPU kernels make their outputs (allocator::malloc,
+// then copy_shared_buffer for the views). That is backend API, whose layout
+// may change between versions: shmcache/kv.py uses this module only with the
+// MLX version it was compiled against, and after a self-check.
+//
+// NOTE: one thread and plain memcpy: at the sizes the engine reads (one
+// layer of one prefix, 1-8 MiB) a helper thread, AVX2 and non-temporal
+// stores gained under 1.3x on the development VM (docs/performance.md).
+#include <nanobind/nanobind.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "mlx/allocator.h"
+#include "mlx/array.h"
+
+namespace nb = nanobind;
+namespace mx = mlx::core;
+
+#define STR2(x) #x
+#define STR(x) STR2(x)
+
+namespace {
+
+constexpr int64_t kPage = 4096;
+
+// A row-major window of `base`'s buffer: shape `sh` of `dtype` from element `elem`.
+mx::array window(const mx::array& base, const mx::Shape& sh, mx::Dtype dtype, int64_t elem) {
+  mx::Strides st(sh.size());
+  int64_t size = 1, big = 0;
+  for (int i = static_cast<int>(sh.size()) - 1; i >= 0; --i) {
+    st[i] = size;
+    size *= sh[i];
+    big += sh[i] > 1;
+  }
+  mx::array::Flags f{};
+  f.contiguous = true;
+  f.row_contiguous = true;
+  f.col_contiguous = big <= 1;
+  mx::array a(sh, dtype, nullptr, {});
+  a.copy_shared_buffer(base, st, f, static_cast<size_t>(size), elem);
+  a.set_status(mx::array::Status::available);
+  return a;
+}
+
+struct Buffer {
+  Py_buffer v{};
+  ~Buffer() {
+    if (v.obj)
+      PyBuffer_Release(&v);
+  }
+};
+
+int64_t mod_page(int64_t x) { return ((x % kPage) + kPage) % kPage; }
+
+// The ids as int64, or false where they are not a list or tuple of plain
+// ints in [0, limit).
+bool plain_ids(nb::handle ids, int64_t limit, std::vector<int64_t>& out) {
+  PyObject* seq = ids.ptr();
+  if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq))
+    return false;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject** items = PySequence_Fast_ITEMS(seq);
+  out.resize(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; i++) {
+    int overflow = 0;
+    if (!PyLong_CheckExact(items[i]))
+      return false;
+    long long b = PyLong_AsLongLongAndOverflow(items[i], &overflow);
+    if (overflow || b < 0 || b >= limit)
+      return false;
+    out[static_cast<size_t>(i)] = b;
+  }
+  return true;
+}
+
+nb::object read_layer(nb::handle arena, nb::handle ids, int layer, mx::Dtype dtype) {
+  Buffer a;
+  if (PyObject_GetBuffer(arena.ptr(), &a.v, PyBUF_C_CONTIGUOUS) < 0)
+    throw nb::python_error();
+  if (a.v.ndim != 6 || a.v.shape[2] != 2)
+    throw nb::value_error("arena must be a C-contiguous (L, max_blocks, 2, H, T, D) buffer");
+  const int64_t L = a.v.shape[0], M = a.v.shape[1], H = a.v.shape[3], T = a.v.shape[4],
+                D = a.v.shape[5], isz = a.v.itemsize;
+  if (layer < 0 || layer >= L)
+    throw nb::value_error(
+        ("layer " + std::to_string(layer) + " not in [0, " + std::to_string(L) + ")").c_str());
+  if (static_cast<int64_t>(dtype.size()) != isz)
+    throw nb::value_error("dtype's item size differs from the arena's");
+  std::vector<int64_t> id;
+  if (!plain_ids(ids, M, id))
+    return nb::none();
+  const int64_t n = static_cast<int64_t>(id.size());
+  // chunk: one head of one block, K or V; a block's K and V of all heads in
+  // one layer are 2*H consecutive chunks (`stride` bytes).
+  const int64_t chunk = T * D * isz, stride = 2 * H * chunk, nbytes = H * n * chunk,
+                total = 2 * nbytes + 2 * kPage;
+  if (total > INT32_MAX)    // MLX shapes are int32
+    return nb::none();
+  mx::array base(mx::allocator::malloc(total), mx::Shape{static_cast<int>(total)}, mx::uint8);
+  char* dst = reinterpret_cast<char*>(base.data<uint8_t>());
+  const char* src = static_cast<const char*>(a.v.buf) + layer * M * stride;
+  // NOTE: K and V each start at their source's offset within a page (the
+  // page of slack for each allows it): a few bytes off, the chunk copies ran
+  // about 5x slower on the development VM (4K aliasing). An arena that is
+  // not item-aligned gets the nearest whole item before.
+  int64_t at[2], pos = 0;
+  for (int64_t kv = 0; kv < 2; kv++) {
+    const int64_t skip = mod_page(reinterpret_cast<intptr_t>(src + kv * H * chunk) -
+                                  reinterpret_cast<intptr_t>(dst + pos));
+    at[kv] = pos + skip - skip % isz;
+    pos = at[kv] + nbytes;
+  }
+  {
+    nb::gil_scoped_release nogil;
+    // Block by block: the source then comes in runs of 2*H chunks, which
+    // the hardware prefetcher follows; K|V and head inside, so the result
+    // is (K|V, H, n, T, D).
+    for (int64_t i = 0; i < n; i++) {
+      const char* s = src + id[static_cast<size_t>(i)] * stride;
+      for (int64_t j = 0; j < 2 * H; j++)
+        std::memcpy(dst + at[j / H] + ((j % H) * n + i) * chunk, s + j * chunk,
+                    static_cast<size_t>(chunk));
+    }
+  }
+  mx::Shape sh{static_cast<int>(H), static_cast<int>(n * T), static_cast<int>(D)};
+  return nb::make_tuple(window(base, sh, dtype, at[0] / isz), window(base, sh, dtype, at[1] / isz));
+}
+
+}  // namespace
+
+NB_MODULE(_mlxbuf, m) {
+  m.def("read_layer", &read_layer, nb::arg("arena"), nb::arg("ids").none(), nb::arg("layer"),
+        nb::arg("dtype"));
+  m.attr("MLX_VERSION") = STR(SHMCACHE_MLX_VERSION);
+}

@@ -66,8 +66,8 @@ def manager():
 
 @pytest.fixture
 def spawn():
-    """spawn(*args, env=None) -> a started ``_proc_worker.WorkerProc``; all are killed at teardown."""
-    from _proc_worker import WorkerProc
+    """spawn(*args, env=None) -> a started ``_proc_client.WorkerProc``; all are killed at teardown."""
+    from _proc_client import WorkerProc
     procs = []
 
     def start(*args, **kw):

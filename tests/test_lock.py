@@ -10,7 +10,7 @@ import shmcache
 from shmcache import layout as L
 from shmcache import segment
 
-from _proc_worker import lock_is_busy
+from _proc_client import lock_is_busy
 
 
 def test_a_repair_that_raises_releases_the_lock_and_leaves_the_pool_dirty(make_pool, monkeypatch):

@@ -1,6 +1,6 @@
 """Several independent processes on one named pool.
 
-Every worker is ``tests/_proc_worker.py`` started with ``subprocess.Popen``
+Every worker is ``tests/_proc_server.py`` started with ``subprocess.Popen``
 (not forked from the test process): it finds the pool only by its name.
 Every wait has a timeout, and every worker is killed in teardown.
 """
@@ -20,7 +20,7 @@ import shmcache
 from shmcache import layout as L
 from shmcache import segment
 
-from _proc_worker import (RemoteError, family_tokens, lock_is_busy, verify_blocks,
+from _proc_client import (RemoteError, family_tokens, lock_is_busy, verify_blocks,
                           wait_for_lock_waiter)
 
 BS = 4
@@ -146,7 +146,7 @@ def test_changes_are_visible_across_processes(make_pool, spawn):
     # A: allocate, write K/V, build a table, publish its full blocks.
     ids = a.call("alloc", n=3)
     for i, blk in enumerate(ids):
-        a.call("write", block=blk, tokens=tokens[i * BS:(i + 1) * BS], salt=salt)
+        a.call("write", block=blk, tokens=tokens[:(i + 1) * BS], salt=salt, start=i * BS)
     a.call("create", rid="req-a")
     for i, blk in enumerate(ids):
         a.call("add", rid="req-a", block=blk, tokens=len(tokens[i * BS:(i + 1) * BS]))
@@ -173,7 +173,7 @@ def test_changes_are_visible_across_processes(make_pool, spawn):
     fork_ids = mgr.get_block_table("req-b").block_ids
     assert fork_ids == ids[:2] + out
     assert mgr.blocks[ids[2]].ref_count == 1 and mgr.get_stats().cow_copies == 1
-    b.call("write", block=out[0], tokens=[5555], salt=salt, start=2)
+    b.call("write", block=out[0], tokens=tokens + [5555], salt=salt, start=len(tokens))
     # the copy carries the partial block's payload; the original is untouched
     verify_blocks(mgr, fork_ids, tokens + [5555], salt, "req-b after COW")
     verify_blocks(mgr, ids, tokens, salt, "req-a after B's COW")

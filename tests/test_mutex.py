@@ -22,7 +22,7 @@ import shmcache
 from shmcache import layout as L
 from shmcache import lock as shlock, segment
 
-from _proc_worker import lock_is_busy, wait_for_lock_waiter
+from _proc_client import lock_is_busy, wait_for_lock_waiter
 
 needs_c = pytest.mark.skipif(not shlock.ACCELERATED, reason="shmcache._hot is not built here")
 

@@ -2,7 +2,7 @@
 update under the pool lock, reclaiming what the dead held, pid reuse, and
 close() releasing as death does.
 
-Workers are ``tests/_proc_worker.py`` started with ``subprocess.Popen``
+Workers are ``tests/_proc_server.py`` started with ``subprocess.Popen``
 (independent processes attaching by name). Every wait has a timeout; every
 worker is killed in teardown; pools are destroyed by ``make_pool``.
 """
@@ -23,9 +23,10 @@ import shmcache
 from shmcache import layout as L
 from shmcache import segment
 
-from _proc_worker import (SCRIBBLES, RemoteError, extra_for, family_tokens, lock_is_busy,
-                          verify_blocks,
+from _proc_client import (RemoteError, family_tokens, lock_is_busy, verify_blocks,
                           wait_for_lock_waiter, write_positions)
+from _proc_server import SCRIBBLES
+from tools.workload_payload import extra_for
 
 BS = 4
 LAYOUT = dict(block_size=BS, num_layers=1, num_kv_heads=2, head_dim=4, dtype="float32")

@@ -15,7 +15,7 @@ import shmcache
 from shmcache import layout as L
 from shmcache.errors import CapacityError, OutOfBlocksError
 
-from _proc_worker import family_tokens
+from _proc_client import family_tokens
 
 LAYOUT = dict(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32")
 

@@ -115,7 +115,7 @@ def test_checker_detects_corrupted_private_block(worker):
 
 def test_release_leaves_nothing(worker):
     m, w = worker
-    for op in ("op_request", "op_decode", "op_fork", "op_decode", "op_alloc", "op_touch",
+    for op in ("op_request", "op_append", "op_fork", "op_append", "op_alloc", "op_touch",
                "op_acquire", "op_request"):
         getattr(w, op)()
     assert w.held() > 0

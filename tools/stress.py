@@ -1,13 +1,14 @@
 """Memory-pressure stress of a shared pool: ``python -m tools.stress``.
 
 The parent creates a pool and spawns ``--processes`` workers (``python -m
-tools.stress --worker ...``) that attach by name and run a random mix of the
-whole API (requests that acquire a cached prefix and publish their full
-blocks, decode appends with copy-on-write after forks, verification reads,
-private allocations, touch, free, batch free, eviction, lookups, checks),
-each bounded by a demand so that together they ask for ``--overcommit``
-times the pool's blocks. Every block read back is compared with the bytes
-its writer (or publisher) wrote:
+tools.stress --worker ...``) that attach by name and run the random workload
+of :mod:`tools.workload_driver` (requests that acquire a cached prefix and
+publish their full blocks, decode appends with copy-on-write after forks,
+forks of each other's tables, verification reads, private allocations,
+touch, free, batch free, eviction, lookups, stats, checks), each bounded by
+a demand so that together they ask for ``--overcommit`` times the pool's
+blocks. Every block read back is compared with the bytes its writer (or
+publisher) wrote (see :mod:`tools.workload_payload`):
 
 * a block of a request's table holds, at each token position, a pattern
   derived from the chain of token ids up to its block (and the request's

@@ -130,6 +130,7 @@ def render(d: dict) -> str:
         f"{d['reclaimed_refs']}{', DIRTY' if d['dirty'] else ''}"
         f"{'' if d['consistent_snapshot'] else ' (lock busy: unlocked snapshot)'}",
     ]
+    lines += render_l2(d.get("l2") or {})
     hs = d["holders"]
     if not hs:
         lines.append("holders   none attached")
@@ -141,6 +142,22 @@ def render(d: dict) -> str:
                          f"{'yes' if h['alive'] else 'DEAD':5}  {h['tables']:>6}  "
                          f"{h['table_blocks']:>12}  {h['loose_blocks']:>12}")
     return "\n".join(lines)
+
+
+def render_l2(c: dict) -> list:
+    """The L2 section: only when some process of the pool used an L2 tier
+    (a counter is not zero)."""
+    if not any(c.values()):
+        return []
+    looked = c["hits"] + c["misses"]
+    return [
+        f"L2        lookups {c['lookups']}, blocks hit {c['hits']}, missed {c['misses']} "
+        f"(hit rate {_pct(c['hits'], looked)}), read {human_bytes(c['read_bytes'])}, "
+        f"rejected {c['rejected']}",
+        f"          blocks written {c['writes']} ({human_bytes(c['written_bytes'])}), "
+        f"dropped {c['dropped']}; timeouts {c['timeouts']}, errors {c['errors']}, "
+        f"outages {c['outages']}",
+    ]
 
 
 def cmd_inspect(args) -> int:
@@ -291,10 +308,21 @@ def cmd_serve(args) -> int:
     return run(args)
 
 
+def version() -> str:
+    """shmcache's version: the installed distribution's (pyproject.toml's), else
+    the package's ``__version__``, else "unknown" (a checkout never installed)."""
+    from importlib import metadata
+    try:
+        return metadata.version("shmcache")
+    except metadata.PackageNotFoundError:
+        return getattr(sys.modules[__package__], "__version__", "unknown")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="shmcache", description="Inspect, check and clean up shmcache pools in /dev/shm.",
         epilog="Exit codes: 0 ok, 1 violations (fsck) or a kept pool (cleanup NAME), 2 error.")
+    ap.add_argument("--version", action="version", version=f"shmcache {version()}")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     sub.add_parser("list", help="every pool: owner, alive, size, usage")
     p = sub.add_parser("inspect", help="one pool's statistics, layout and holders")

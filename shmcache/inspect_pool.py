@@ -25,8 +25,8 @@ import psutil
 from . import layout as L
 from . import recovery, segment
 from .errors import CorruptPoolError, IncompatiblePoolError
-from .lock import ofd_held_by_other
-from .mutex import MUTEX_MAP_SIZE, open_mutex
+from .lock import MUTEX_MAP_SIZE, open_mutex
+from .platform import byte_held_by_other
 
 STAT_KEYS = ("allocated_blocks", "free_blocks", "shared_blocks", "cached_blocks",
              "total_tokens_cached", "tokens_held", "cache_hits", "cache_misses",
@@ -104,7 +104,7 @@ class PoolView:
         return process_alive(self.owner_pid, self.owner_start)
 
     def slot_alive(self, slot: int) -> bool:
-        return ofd_held_by_other(self.fd, L.LIVENESS_OFF + slot)
+        return byte_held_by_other(self.fd, L.LIVENESS_OFF + slot)
 
     def live_slots(self) -> list:
         if self.layout is None:
@@ -155,6 +155,11 @@ class PoolView:
         s["usage"] = s["allocated_blocks"] / s["total_blocks"]
         return s
 
+    def l2_counters(self) -> dict:
+        """The pool-wide L2 counters (``layout.L2_COUNTERS``: every process's
+        L2 tier adds to them), as ``PagedCacheManager.l2_counters``."""
+        return {name: int(self.c[i]) for name, i in L.C_L2.items()}
+
     def holdings(self) -> list:
         out = []
         t = self.tables
@@ -181,6 +186,7 @@ class PoolView:
                      recoveries=int(c[L.C_RECOVERIES]), reclaimed_refs=int(c[L.C_RECLAIMED]),
                      max_lock_wait_s=int(c[L.C_LOCK_WAIT_NS]) / 1e9,
                      dirty=bool(c[L.C_DIRTY]), free_ref_chunks=int(c[L.C_FREE_REFS]))
+            d["l2"] = self.l2_counters()
             d["layout"] = {k: getattr(lay, k) for k in lay.__dataclass_fields__}
             d["layout"]["block_bytes"] = block_bytes(lay)
             d["holders"] = self.holdings()

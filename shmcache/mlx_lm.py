@@ -6,10 +6,13 @@ keep that protocol and add one thing: every K/V a model hands them is also
 written through to the sequence's block table in the shared pool, where
 every other process can find it once it is published.
 
-* :class:`PoolSequence` is one sequence's block table: it reserves room
-  (``prepare_append``: copy-on-write of a shared partial block, new blocks),
-  stages each layer's new K/V, writes them through (:meth:`commit`, one
-  ``append_kv`` per layer) and publishes full blocks (:meth:`publish`).
+* :class:`PoolSequence` is one sequence's block table: it finds the longest
+  cached prefix (:meth:`PoolSequence.acquire`: the pool's L1, then its L2
+  when the manager has one), reserves room (``prepare_append``:
+  copy-on-write of a shared partial block, new blocks), stages each layer's
+  new K/V, writes them through (:meth:`commit`, one ``append_kv`` per
+  layer) and publishes full blocks (:meth:`publish`; with an L2, they are
+  also queued for it).
 * :class:`PoolKVCache` is mlx-lm's ``KVCache`` (one layer, one sequence)
   with the write-through: its working buffer is an MLX array in this
   process, so a step never re-reads the context from the pool; the pool is
@@ -24,6 +27,12 @@ and evaluating there would serialise the graph layer by layer (and defeat
 ``mx.async_eval`` in mlx-lm's loops). A staged write is committed at the
 latest by the next ``update_and_fetch`` of layer 0.
 
+With an L2 tier on the manager (``mgr.l2``: ``shmcache.create_pool`` or
+``shmcache.attach`` with ``l2=``), :meth:`PoolSequence.acquire` asks it for
+the blocks after the L1 hit: they are loaded into fresh pool blocks and
+published in L1 before anything is computed, so the prefill starts on a
+block boundary as after an L1 hit, and the tokens are the same.
+
 Models whose ``make_cache`` is not plain attention K/V for every layer
 (sliding windows, SSM state, MLA with different K and V widths) are
 refused by :func:`check_poolable` with the reason.
@@ -31,6 +40,7 @@ refused by :func:`check_poolable` with the reason.
 
 from __future__ import annotations
 
+import logging
 from typing import List, Optional, Sequence
 
 import mlx.core as mx
@@ -38,6 +48,8 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 __all__ = ["PoolSequence", "PoolKVCache", "PoolBatchKVCache", "pool_layout", "check_poolable",
            "make_pool_cache", "load_prefix", "NotPoolableError"]
+
+log = logging.getLogger("shmcache.mlx_lm")
 
 
 class NotPoolableError(ValueError):
@@ -80,7 +92,8 @@ class PoolSequence:
     """One sequence's K/V in a pool: a block table and what is staged for it.
 
     Args:
-        mgr: a ``PagedCacheManager`` attached to the pool.
+        mgr: a ``PagedCacheManager`` attached to the pool (its ``l2``, if
+            set, gets the blocks this sequence publishes).
         table: the sequence's ``BlockTable``; its token count is how many
             tokens the pool holds for it (cached prefix included).
         extra_keys: salt of the prefix chain (tenant), as ``cache_full_blocks`` takes.
@@ -99,7 +112,62 @@ class PoolSequence:
         self.reserved = 0
         self.published = table.num_tokens // mgr.block_size
         self.ids: list = list(table.block_ids)   # a private copy, kept in step with the table
+        self.chain: Optional[list] = None   # L2 chain hashes of the published blocks, if known
         self._staged: list = []        # (layer, keys (H, T, D), values (H, T, D))
+
+    @classmethod
+    def acquire(cls, mgr, request_id: str, tokens: Sequence[int],
+                extra_keys=None) -> "PoolSequence":
+        """A new sequence holding the longest cached prefix of ``tokens``.
+
+        The prefix is whole blocks: the pool's own (one atomic lookup and
+        reference), then, with an L2 (``mgr.l2``), the next blocks found
+        there, loaded into new blocks and published in L1. An L2 fault or a
+        pool too full to load into only makes the prefix shorter.
+
+        Args:
+            mgr: the manager.
+            request_id: the new block table's id.
+            tokens: the tokens whose K/V may come from a cache; pass a
+                prompt without its last token, which must be computed for
+                its logits.
+            extra_keys: the tenant salt.
+        Returns:
+            The sequence; ``stored`` is the cached prefix's token count
+            (what :func:`load_prefix` then reads).
+        Raises:
+            ValueError: the id is taken; what ``create_block_table`` raises.
+        """
+        table = mgr.create_block_table(request_id)
+        try:
+            bs = mgr.block_size
+            blocks, cached = mgr.acquire_computed_blocks(tokens, extra_keys)
+            for b in blocks:
+                mgr.add_block_to_table(table, b, bs)
+            l2 = getattr(mgr, "l2", None)
+            chain = None
+            if l2 is not None:
+                n = len(tokens) // bs
+                chain = l2.chain(tokens, n, extra_keys)
+                if cached // bs < n:
+                    l2.load(table, tokens, extra_keys, cached // bs, chain)
+        except BaseException:
+            mgr.delete_block_table(table.request_id)
+            raise
+        seq = cls(mgr, table, extra_keys)
+        if chain is not None:
+            seq.chain = chain[:seq.published]
+        return seq
+
+    def fork(self, request_id: str) -> "PoolSequence":
+        """A sequence over a fork of this one's table (``fork_block_table``),
+        same salt; everything staged must be committed first."""
+        if self._staged:
+            raise RuntimeError("commit() the staged K/V before forking")
+        t = self.mgr.fork_block_table(self.table, request_id)
+        other = type(self)(self.mgr, t, self.extra_keys)
+        other.chain = list(self.chain) if self.chain is not None else None
+        return other
 
     def reserve(self, n: int) -> None:
         """Room for ``n`` more tokens (raises OutOfBlocksError; nothing changes then)."""
@@ -134,15 +202,32 @@ class PoolSequence:
         self.reserved -= n
 
     def publish(self, tokens: Sequence[int]) -> int:
-        """Publish the full blocks stored so far; ``tokens`` are the
-        sequence's token ids (at least ``stored`` of them). Returns how many
-        blocks are published."""
-        full = self.stored // self.mgr.block_size
-        if full > self.published:
-            self.mgr.cache_full_blocks(self.ids[:full], list(tokens[:full * self.mgr.block_size]),
-                                       self.published, full, self.extra_keys)
+        """Publish the full blocks stored so far; with an L2 (``mgr.l2``),
+        queue the newly published ones for it (never raises for that).
+
+        Args:
+            tokens: the sequence's token ids (at least ``stored`` of them).
+        Returns:
+            How many blocks are published.
+        """
+        bs = self.mgr.block_size
+        full = self.stored // bs
+        before = self.published
+        if full > before:
+            self.mgr.cache_full_blocks(self.ids[:full], list(tokens[:full * bs]), before, full,
+                                       self.extra_keys)
             self.published = full
+            l2 = getattr(self.mgr, "l2", None)
+            if l2 is not None:
+                self._write_back(l2, tokens, before, full)
         return self.published
+
+    def _write_back(self, l2, tokens, before: int, full: int) -> None:
+        try:
+            self.chain = l2.chain(tokens, full, self.extra_keys, self.chain)
+            l2.write_back(self.ids[before:full], self.chain[before:full])
+        except Exception:              # never fail a sequence for its write-back
+            log.exception("L2 write-back of %d blocks failed", full - before)
 
     def trim(self, n: int) -> int:
         """Drop the last ``n`` stored tokens (and any reservation) from the
@@ -156,6 +241,8 @@ class PoolSequence:
             bs = self.mgr.block_size
             del self.ids[-(-self.stored // bs):]
             self.published = min(self.published, self.stored // bs)
+            if self.chain is not None:
+                del self.chain[self.published:]
         return n
 
     def release(self) -> None:

@@ -429,3 +429,37 @@ def test_cleanup_pattern_removes_only_dead(make_pool, holders, junk_name):
         assert "nothing removed" in r.stdout
     finally:
         segment.unlink(f"{tag}-junk")
+
+
+def test_version_is_pyprojects():
+    import re
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    want = re.search(r'(?m)^version = "([^"]+)"', (root / "pyproject.toml").read_text()).group(1)
+    r = run("--version")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"shmcache {want}\n" and r.stderr == ""
+
+
+# ------------------------------------------------------------------ L2 counters
+def test_inspect_shows_the_pool_wide_l2_counters_only_when_used(make_pool):
+    """Counters 16..26 (every process's L2 tier adds to them): in --json
+    always, in the text an "L2" section only once one is not zero."""
+    m = busy_pool(make_pool)
+    d = json.loads(run("inspect", m.name, "--json").stdout)
+    assert d["l2"] == dict.fromkeys(L.L2_COUNTERS, 0)
+    assert "\nL2 " not in run("inspect", m.name).stdout
+    m.add_counters({L.C_L2["lookups"]: 2, L.C_L2["hits"]: 6, L.C_L2["misses"]: 2,
+                    L.C_L2["read_bytes"]: 3 << 20, L.C_L2["writes"]: 9,
+                    L.C_L2["rejected"]: 1, L.C_L2["outages"]: 1})
+    m.add_counters({L.C_L2["hits"]: 1})                  # another process's, summed
+    r = run("inspect", m.name, "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["l2"] == m.l2_counters()
+    assert (d["l2"]["hits"], d["l2"]["writes"], d["l2"]["outages"]) == (7, 9, 1)
+    out = run("inspect", m.name).stdout
+    line = next(x for x in out.splitlines() if x.startswith("L2 "))
+    assert "lookups 2" in line and "blocks hit 7" in line and "missed 2" in line
+    assert "hit rate 77.8%" in line and "read 3.0 MiB" in line and "rejected 1" in line
+    assert "blocks written 9" in out and "outages 1" in out

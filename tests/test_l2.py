@@ -369,16 +369,16 @@ POOL = dict(block_size=4, max_blocks=32, num_layers=3, num_kv_heads=2, head_dim=
 
 
 @pytest.mark.redis
-@pytest.mark.parametrize("path", ["arena", "read_kv/write_kv"])
+@pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_prefix_written_by_one_pool_is_loaded_by_another_bit_exact(
-        redis_srv, rclient, make_pool, dtype, path, monkeypatch):
-    if path != "arena":                 # the public per-layer calls, as without the arena
-        monkeypatch.setattr(L2, "_arena", lambda mgr: None)
+        redis_srv, rclient, make_pool, dtype, chunked):
+    kw = dict(max_value_bytes=1) if chunked else {}         # one layer per value when chunked
     a = make_pool(dtype=dtype, **POOL)
     b = make_pool(dtype=dtype, **POOL)
-    ta = L2Tier(a, redis_srv.url, model_id="m@1", secret=SECRET)
-    tb = L2Tier(b, redis_srv.url, model_id="m@1", secret=SECRET)
+    ta = L2Tier(a, redis_srv.url, model_id="m@1", secret=SECRET, **kw)
+    tb = L2Tier(b, redis_srv.url, model_id="m@1", secret=SECRET, **kw)
+    assert len(ta.codec.chunks) == (3 if chunked else 1)
     try:
         toks = list(range(50, 74))                             # 6 blocks
         t = _fill(a, toks)
@@ -462,3 +462,37 @@ def test_load_with_a_full_pool_loads_nothing_and_leaks_nothing(redis_srv, rclien
     finally:
         ta.close()
         tb.close()
+
+
+@pytest.mark.redis
+def test_counters_reach_the_pool_from_every_tier_without_waiting(redis_srv, rclient, make_pool):
+    """Two tiers on one pool (two processes' worth): their counters sum in
+    the pool's (layout.C_L2) from the writer thread, within ~0.5 s, and at
+    close; the serving calls never flush them themselves."""
+    from shmcache import layout
+    a = make_pool(dtype="float32", **POOL)
+    t1 = L2Tier(a, redis_srv.url, model_id="m@1", secret=SECRET)
+    t2 = L2Tier(a, redis_srv.url, model_id="m@1", secret=SECRET)
+    try:
+        toks = list(range(12))
+        t = _fill(a, toks)
+        t1.write_back(t.block_ids, t1.chain(toks, 3))
+        assert t1.store.flush(10)
+        assert a.l2_counters()["writes"] in (0, 3)     # not yet, or already flushed
+        assert t2.store.lookup(t2.chain(toks, 3)) and t2.stats()["hits"] == 3
+        deadline = time.monotonic() + 5
+        while a.l2_counters()["hits"] < 3 or a.l2_counters()["writes"] < 3:
+            assert time.monotonic() < deadline, a.l2_counters()
+            time.sleep(0.05)
+        c = a.l2_counters()
+        assert set(c) == set(layout.L2_COUNTERS)
+        assert (c["writes"], c["hits"], c["lookups"]) == (3, 3, 1)
+        assert c["written_bytes"] == t1.stats()["written_bytes"] > 0
+        assert c["read_bytes"] == t2.stats()["read_bytes"] == c["written_bytes"]
+        # what is counted just before close reaches the pool at close
+        t2.store.c.add("rejected", 2)
+        t2.close()
+        assert a.l2_counters()["rejected"] == 2
+    finally:
+        t1.close()
+        t2.close()

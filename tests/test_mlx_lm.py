@@ -723,3 +723,49 @@ def test_trim_shortens_the_table_and_decoding_goes_on_correctly(lm, pool):
         assert mx.array_equal(v[:, :n], caches[layer].values[0, :, :n])
     seq.release()
     assert mgr.check() == []
+
+
+@pytest.mark.timeout(180)
+def test_acquire_and_fork_without_l2(lm, pool):
+    """PoolSequence.acquire: the longest published prefix of whole blocks, in
+    one call (a manager without an L2, ``mgr.l2`` None, as without ``l2=``);
+    fork: the same blocks in a new table, decoding apart like mlx-lm."""
+    assert pool.l2 is None
+    prompt = encode(lm, TEXT * 3)
+    n = 8
+    ref = generate(lm.model, prompt, make_prompt_cache(lm.model), n)
+    seq = P.PoolSequence.acquire(pool, "first", prompt[:-1])
+    assert seq.stored == 0 and seq.chain is None
+    caches = P.make_pool_cache(lm.model, seq)
+    assert generate(lm.model, prompt, caches, n) == ref
+    seq.commit()
+    seq.publish(prompt + ref)
+    seq.release()
+
+    seq = P.PoolSequence.acquire(pool, "again", prompt[:-1])
+    full = (len(prompt) - 1) // BS * BS
+    assert seq.stored == seq.table.num_tokens == full > 0
+    assert seq.published == full // BS and seq.ids == seq.table.block_ids
+    caches = P.make_pool_cache(lm.model, seq)
+    assert P.load_prefix(caches) == full
+    y = prefill(lm.model, prompt[full:], caches)
+    seq.commit()
+    fork = seq.fork("again-fork")
+    assert fork.table.block_ids == seq.table.block_ids and fork.stored == seq.stored
+    fcaches = []
+    for c in caches:
+        f = P.PoolKVCache(fork, c.layer)
+        f.keys, f.values, f.offset = c.keys[..., :c.offset, :], c.values[..., :c.offset, :], c.offset
+        fcaches.append(f)
+    a = [y] + [step1(lm.model, y, caches)]
+    b = [y] + [step1(lm.model, y, fcaches)]
+    seq.commit()
+    fork.commit()
+    assert a == b == ref[:2]
+    assert_pool_holds(pool, seq, single_kv(caches))
+    assert_pool_holds(pool, fork, single_kv(fcaches))
+    with pytest.raises(ValueError):
+        P.PoolSequence.acquire(pool, "again", prompt[:-1])        # the id is taken
+    fork.release()
+    seq.release()
+    assert pool.check() == []

@@ -120,6 +120,29 @@ def test_without_prefix_cache_nothing_is_shared_and_the_tokens_are_the_same(base
     assert outputs(r) == outputs(baseline[0])
 
 
+@pytest.mark.redis
+@pytest.mark.timeout(300)
+def test_with_l2_the_report_has_the_pools_l2_counters(baseline, tmp_path):
+    """--l2 local: a throwaway redis-server (tools/redis_server.py) for the
+    server's L2; every published block is written back, the report and its
+    text give the pool's counters (summed over the workers), the tokens are
+    the same and the redis-server is gone afterwards."""
+    from tools.redis_server import find_redis_server
+    if find_redis_server() is None:
+        pytest.skip("redis-server not found (apt-get install redis-server)")
+    before = {p.pid for p in psutil.process_iter() if p.name() == "redis-server"}
+    r, stdout = run_supervisor(tmp_path, *WORKLOAD, "--l2", "local")
+    _assert_clean(r, 12)
+    assert outputs(r) == outputs(baseline[0])
+    c = r["l2"]
+    assert r["l2_url"].startswith("redis://127.0.0.1:")
+    assert c["writes"] > 0 and c["written_bytes"] > 0
+    assert c["rejected"] == c["outages"] == c["timeouts"] == 0
+    assert f"blocks written {c['writes']}" in stdout and f"L2 {r['l2_url']}" in stdout
+    after = {p.pid for p in psutil.process_iter() if p.name() == "redis-server"}
+    assert after <= before, "the local redis-server was left running"
+
+
 @pytest.mark.timeout(120)
 def test_ctrl_c_stops_the_server_and_leaves_nothing():
     # Its own process group, as a terminal's foreground job.
@@ -158,3 +181,6 @@ def test_bad_flags_are_rejected():
     proc = subprocess.run([sys.executable, "-m", "workers.supervisor", "--workers", "0"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--workers" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "workers.supervisor", "--l2", "http://h:1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--l2" in proc.stderr and "redis://" in proc.stderr

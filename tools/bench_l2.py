@@ -1,7 +1,8 @@
 """The Redis tier (L2) of ``shmcache serve``, measured.
 
 Three figures (``python -m tools.bench_l2``; a real ``redis-server`` is
-started on a free port, no persistence, ``allkeys-lru``):
+started on a free port by ``tools/redis_server.py``: no persistence,
+``allkeys-lru``, 4 GB):
 
 * **TTFT of a 2,048-token prompt** (token ids, ``max_tokens`` 8, streamed,
   client-side time to the first token), on two servers ("host A" and "host
@@ -40,7 +41,6 @@ import random
 import shlex
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -49,6 +49,7 @@ import time
 import httpx
 
 from tools.bench_serve import Server, _ms, _table, free_port
+from tools.redis_server import RedisServer, find_redis_server
 
 PROMPT_TOKENS = 2048
 SECRET = "bench-l2-secret"
@@ -57,38 +58,6 @@ PRINTABLE = list(range(0x20, 0x7F))        # the demo tokenizer: id == byte
 
 def log(msg: str) -> None:
     print(f"[bench_l2] {msg}", file=sys.stderr, flush=True)
-
-
-# ------------------------------------------------------------------ redis
-class Redis:
-    def __init__(self, binary: str, maxmemory: str) -> None:
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.argv = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                     "--appendonly", "no", "--maxmemory", maxmemory,
-                     "--maxmemory-policy", "allkeys-lru", "--loglevel", "warning"]
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
-        import redis
-        self.client = redis.Redis.from_url(self.url, socket_timeout=5)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                if self.client.ping():
-                    return
-            except Exception:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("redis-server did not start") from None
-                time.sleep(0.05)
-
-    def stop(self) -> None:
-        self.client.close()
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 # ------------------------------------------------------------------ client
@@ -228,10 +197,10 @@ def bandwidth_part(args, redis_url, model_layout: dict) -> list:
             toks = list(range(n * bs))
             t = a.create_block_table("w")
             a.prepare_append(t, n * bs)
-            arena = L2._arena(a)
-            if arena is not None:
-                arena[...] = np.frombuffer(np.random.default_rng(0).bytes(arena.nbytes),
-                                           arena.dtype).reshape(arena.shape)
+            kv = a.export_blocks(t.block_ids)               # (L, n, 2, H, T, D), a copy
+            kv.reshape(-1).view(np.uint8)[:] = np.frombuffer(
+                np.random.default_rng(0).bytes(kv.nbytes), np.uint8)
+            a.import_blocks(t.block_ids, kv)
             a.cache_full_blocks(t.block_ids, toks, 0, n)
             chain = tiers[0].chain(toks, n)
             t0 = time.perf_counter()
@@ -359,8 +328,7 @@ def main(argv=None) -> int:
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     cmd = shlex.join([sys.executable, "-m", "tools.bench_l2"] +
                      list(sys.argv[1:] if argv is None else argv))
-    binary = shutil.which("redis-server") or (
-        "/usr/bin/redis-server" if os.access("/usr/bin/redis-server", os.X_OK) else None)
+    binary = find_redis_server()
     if binary is None:
         log("redis-server not found (apt-get install redis-server): nothing measured")
         return 1
@@ -376,7 +344,8 @@ def main(argv=None) -> int:
     lay = pool_layout(model)
     del model
     log(f"model {args.model} ({cfg.get('model_type')}: {lay}); redis-server {binary}")
-    rd = Redis(binary, "4gb")
+    rd = RedisServer(binary, maxmemory="4gb")
+    rd_client = rd.client()
     client = httpx.Client(trust_env=False, limits=httpx.Limits(max_connections=32))
     logdir = tempfile.mkdtemp(prefix="bench_l2-")
     res: dict = {"command": cmd, "redis": rd.argv}
@@ -384,14 +353,15 @@ def main(argv=None) -> int:
     try:
         if "ttft" not in skip:
             res["ttft"] = ttft_part(args, rd.url, client, logdir)
-            rd.client.flushdb()
+            rd_client.flushdb()
         if "bw" not in skip:
             res["bandwidth"] = bandwidth_part(args, rd.url, lay)
-            rd.client.flushdb()
+            rd_client.flushdb()
         if "tp" not in skip:
             res["throughput"] = throughput_part(args, rd.url, client, logdir)
     finally:
         client.close()
+        rd_client.close()
         rd.stop()
         shutil.rmtree(logdir, ignore_errors=True)
     res["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(),

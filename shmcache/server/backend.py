@@ -15,10 +15,12 @@ the re-run produces the same tokens; the supervisor drops the ones it
 already delivered, and the client sees one complete answer.
 
 With ``l2`` (a Redis URL), the workers use Redis as a second tier (see
-``shmcache.l2``): the supervisor computes the model's identity and picks the
-secret (the cluster secret, or a random one per pool: then nothing is shared
-with other pools), passes them to every worker, and sums the workers' L2
-counters (a restarted worker's are kept) for ``stats()``.
+``shmcache.l2``): the supervisor computes the model's identity once and
+passes it, with the cluster secret if there is one (without, each worker
+uses the pool's own secret: nothing is shared with other pools), to every
+worker, which attaches to the pool with ``l2=``. ``stats()`` reads the L2
+counters from the pool (every worker adds to them, a dead one's stay) and
+``l2_up`` from the workers' reports.
 
 NOTE: everything here runs on the server's event loop; the only blocking
 calls are the pool's (microseconds) and the workers' pipe writes.
@@ -71,7 +73,7 @@ class _Worker:
         self.load = 0
         self.preemptions = 0
         self.working_bytes = 0
-        self.l2: dict = {}                 # its L2 counters, as last reported
+        self.l2: dict = {}                 # its L2 counters and "up", as last reported
         self.reader: Optional[asyncio.Task] = None
         self.enc = msgspec.msgpack.Encoder()
 
@@ -92,7 +94,7 @@ class WorkerBackend:
         pool_name: the pool's name (default ``serve-<pid>``).
         l2: a Redis URL: the L2 tier (None: L1 only).
         cluster_secret: the secret shared by the pools that share L2 entries
-            (None: a random one, this pool's alone).
+            (None: the pool's own, shared with no other pool).
         l2_timeout, l2_retry, l2_ttl: seconds: each L2 socket operation of
             a lookup, between attempts during an outage, a value's life
             (None: until Redis evicts it).
@@ -123,10 +125,9 @@ class WorkerBackend:
         self._started = False           # every worker was ready once: restart the dead ones
         self.l2_url = l2
         self.l2_timeout, self.l2_retry, self.l2_ttl = l2_timeout, l2_retry, l2_ttl
-        self._l2_secret = (cluster_secret.encode() if cluster_secret else os.urandom(32))
+        self._l2_secret = cluster_secret.encode() if cluster_secret else None
         self.l2_shared = bool(cluster_secret)
         self.l2_model_id: Optional[str] = None
-        self._l2_retired: dict = {}     # the L2 counters of workers that died
         if l2:
             from ..l2 import check_url
             check_url(l2)
@@ -179,7 +180,7 @@ class WorkerBackend:
     def _start_l2(self) -> None:
         from .. import l2
         self.l2_model_id = l2.model_identity(self.path)
-        client = l2._client(self.l2_url, 1.0)       # (raises without redis-py)
+        client = l2.connect(self.l2_url, 1.0)       # (raises without redis-py)
         try:
             ok = bool(client.ping())
         except Exception as e:
@@ -188,7 +189,7 @@ class WorkerBackend:
             client.close()
         log.info("L2: %s (%s), %s secret, model %s", l2.redact(self.l2_url),
                  "reachable" if ok else f"not reachable now ({why}); the workers retry",
-                 "the cluster" if self.l2_shared else "this pool's own (random)",
+                 "the cluster" if self.l2_shared else "this pool's own",
                  self.l2_model_id)
 
     async def _spawn(self, w: _Worker) -> None:
@@ -196,8 +197,9 @@ class WorkerBackend:
         env = dict(os.environ)
         extra = []
         if self.l2_url:
-            from .worker import L2_SECRET_ENV
-            env[L2_SECRET_ENV] = self._l2_secret.hex()
+            if self._l2_secret is not None:
+                from .worker import L2_SECRET_ENV
+                env[L2_SECRET_ENV] = self._l2_secret.hex()
             extra = ["--l2", self.l2_url, "--l2-model-id", self.l2_model_id]
             for flag, v in (("--l2-timeout", self.l2_timeout), ("--l2-retry", self.l2_retry),
                             ("--l2-ttl", self.l2_ttl)):
@@ -329,17 +331,17 @@ class WorkerBackend:
         return out
 
     def l2_stats(self) -> dict:
-        """The workers' L2 counters summed (``l2_<name>``), and ``l2_up``: 1
-        when every live worker that reported finds L2 answering."""
-        from ..l2 import COUNTERS
-        total = {k: self._l2_retired.get(k, 0) for k in COUNTERS}
+        """The pool's L2 counters (``l2_<name>``: every worker's, summed by
+        the pool, a dead worker's included), and ``l2_up``: 1 when every
+        live worker that reported finds L2 answering."""
+        # NOTE: read without the pool lock, as the gauges above: each worker
+        # adds its deltas under the lock every 0.5 s; a scrape may be a
+        # moment behind, never torn (one aligned int64 each).
+        out = {f"l2_{k}": v for k, v in self.mgr.l2_counters().items()}
         up = 1
         for w in self.workers:
-            for k in COUNTERS:
-                total[k] += w.l2.get(k, 0)
             if w.l2 and w.proc is not None and w.proc.returncode is None:
                 up = min(up, w.l2.get("up", 1))
-        out = {f"l2_{k}": v for k, v in total.items()}
         out["l2_up"] = up
         return out
 
@@ -398,10 +400,7 @@ class WorkerBackend:
         flights = list(w.flights.values())
         w.flights.clear()
         w.ready.clear()
-        for k, v in w.l2.items():          # its counters stay counted
-            if k != "up":
-                self._l2_retired[k] = self._l2_retired.get(k, 0) + v
-        w.l2 = {}
+        w.l2 = {}                          # (its counters are the pool's: they stay)
         log.warning("worker %d (pid %d) died (exit %s); re-running its %d requests",
                     w.idx, w.proc.pid, rc if rc is None or rc >= 0 else signal.Signals(-rc).name,
                     len(flights))

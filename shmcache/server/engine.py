@@ -23,11 +23,13 @@ of a shared partial block), runs the model on the batch, samples each row
 preemption or a worker's death gives the same tokens), writes each row's new
 K/V through and publishes blocks as they fill.
 
-With an L2 (``shmcache.l2.L2Tier``, ``shmcache serve --l2``), admission
-asks it for the chain's next blocks after the L1 hit: what it finds is
-loaded into new pool blocks and published in L1 before the prefill, which
-then starts on the block boundary after it, as after an L1 hit; every block
-this worker publishes is queued for L2 (a background thread writes it).
+With an L2 on the manager (``mgr.l2``: ``shmcache serve --l2``, the
+worker attaches with ``l2=``), admission asks it for the chain's next
+blocks after the L1 hit (``PoolSequence.acquire``): what it finds is loaded
+into new pool blocks and published in L1 before the prefill, which then
+starts on the block boundary after it, as after an L1 hit; every block this
+worker publishes is queued for L2 (``PoolSequence.publish``; a background
+thread writes it).
 
 Out of blocks, the newest request is preempted (its tables deleted, its
 published blocks stay cached) and re-run from its prompt later; the
@@ -37,7 +39,6 @@ supervisor drops the tokens it already delivered.
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -50,11 +51,6 @@ from ..mlx_lm import PoolBatchKVCache, PoolKVCache, PoolSequence, load_prefix, m
 from .wire import Gen
 
 log = logging.getLogger("shmcache.engine")
-
-
-class _Seq(PoolSequence):
-    """A :class:`PoolSequence` with its L2 chain hashes (None without L2)."""
-    chain: Optional[list] = None
 
 
 @dataclass
@@ -89,10 +85,9 @@ class Engine:
         max_batch: the most samples decoded together.
     """
 
-    def __init__(self, mgr, model, eos_ids, emit, worker_id: int = 0, max_batch: int = 32,
-                 l2=None) -> None:
+    def __init__(self, mgr, model, eos_ids, emit, worker_id: int = 0, max_batch: int = 32
+                 ) -> None:
         self.mgr = mgr
-        self.l2 = l2                               # an L2Tier, or None
         self.model = model
         self.eos = set(eos_ids)
         self.emit = emit
@@ -166,22 +161,9 @@ class Engine:
         prompt = g.prompt
         extra = (p.salt,) if p.salt else None
         mgr, bs = self.mgr, self.bs
-        table = mgr.create_block_table(self._tables(req, 0))
-        blocks, cached = mgr.acquire_computed_blocks(prompt[:-1], extra)
-        for b in blocks:
-            mgr.add_block_to_table(table, b, bs)
-        chain = None
-        if self.l2 is not None:
-            n = (len(prompt) - 1) // bs
-            chain = self.l2.chain(prompt, n, extra)
-            if cached // bs < n:
-                try:        # (load never raises for an L2 fault; this is the pool's)
-                    cached += self.l2.load(table, prompt, extra, cached // bs, chain) * bs
-                except BaseException:
-                    mgr.delete_block_table(table.request_id)
-                    raise
-        seq = _Seq(mgr, table, extra)
-        seq.chain = chain
+        # the longest cached prefix: L1, then L2 (never raises for an L2 fault)
+        seq = PoolSequence.acquire(mgr, self._tables(req, 0), prompt[:-1], extra)
+        table, cached = seq.table, seq.stored
         caches = make_pool_cache(self.model, seq)
         load_prefix(caches)
         try:
@@ -207,10 +189,7 @@ class Engine:
         rows = [_Row(req, 0, seq)]
         try:
             for j in range(1, p.n):
-                t = mgr.fork_block_table(table, self._tables(req, j))
-                fork = _Seq(mgr, t, extra)
-                fork.chain = list(seq.chain) if seq.chain is not None else None
-                rows.append(_Row(req, j, fork))
+                rows.append(_Row(req, j, seq.fork(self._tables(req, j))))
         except BaseException:
             for r in rows:
                 r.seq.release()
@@ -233,16 +212,9 @@ class Engine:
         self._advance(list(zip(rows, first)))
         return True
 
-    def _publish(self, seq: "_Seq", tokens) -> None:
-        """Publish the sequence's full blocks; queue the new ones for L2."""
-        before = seq.published
+    def _publish(self, seq: PoolSequence, tokens) -> None:
+        """Publish the sequence's full blocks (and queue the new ones for L2)."""
         seq.publish(tokens)
-        if self.l2 is not None and seq.published > before:
-            try:
-                seq.chain = self.l2.chain(tokens, seq.published, seq.extra_keys, seq.chain)
-                self.l2.write_back(seq.ids[before:seq.published], seq.chain[before:seq.published])
-            except Exception:              # never fail a request for its write-back
-                log.exception("L2 write-back of %d blocks failed", seq.published - before)
 
     def _forward_reserved(self, req, seq, caches, tokens):
         seq.reserve(len(tokens))
@@ -304,7 +276,7 @@ class Engine:
         return r.sampler(logprobs[None])[0]
 
     def _advance(self, pairs) -> None:
-        items, done_reqs, finished = [], [], set()
+        items, finished = [], set()
         for r, t in pairs:
             t = int(t)
             r.generated.append(t)

@@ -113,8 +113,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "as the second cache tier (default: none)")
     g.add_argument("--cluster-secret", metavar="S", default=None,
                    help="the secret of the pools that share L2 entries (default: "
-                        "$SHMCACHE_CLUSTER_SECRET; without either, a random secret: this pool "
-                        "shares nothing with others)")
+                        "$SHMCACHE_CLUSTER_SECRET; without either, the pool's own secret: this "
+                        "pool shares nothing with others)")
     g.add_argument("--l2-timeout", metavar="S", type=_seconds, default=None,
                    help="seconds Redis has to answer each step of a lookup before the request "
                         "goes on without it (default: 0.05)")

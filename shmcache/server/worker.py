@@ -22,7 +22,7 @@ import shmcache  # first: binds the fast BLAS before mlx loads
 
 from . import wire
 
-L2_SECRET_ENV = "SHMCACHE_L2_SECRET"      # hex, set by the supervisor for its workers
+L2_SECRET_ENV = "SHMCACHE_L2_SECRET"      # hex: the cluster secret, set by the supervisor
 
 
 def _reader(q: queue.Queue) -> None:
@@ -58,8 +58,21 @@ def main(argv=None) -> int:
     from .engine import Engine
 
     model, tokenizer = load(args.model)
-    mgr = shmcache.attach(args.pool)
-    check_pool_matches(mgr, pool_layout(model))
+    l2 = {}
+    if args.l2:
+        # the cluster secret comes in the environment (a command line is
+        # public); without one the pool's own secret keeps L2 to this pool
+        secret = os.environ.pop(L2_SECRET_ENV, None)
+        options = {k: v for k, v in (("timeout", args.l2_timeout), ("retry_s", args.l2_retry),
+                                     ("ttl", args.l2_ttl)) if v is not None}
+        l2 = dict(l2=args.l2, l2_model=args.l2_model_id or args.model,
+                  cluster_secret=bytes.fromhex(secret) if secret else None, l2_options=options)
+    mgr = shmcache.attach(args.pool, **l2)
+    try:
+        check_pool_matches(mgr, pool_layout(model))
+    except BaseException:
+        mgr.close()
+        raise
 
     def emit(kind, payload):
         if kind == "admitted":
@@ -69,15 +82,7 @@ def main(argv=None) -> int:
         elif kind == "failed":
             writer.send(wire.Failed(*payload))
 
-    l2 = None
-    if args.l2:
-        from ..l2 import DEFAULT_RETRY, DEFAULT_TIMEOUT, L2Tier
-        # the secret comes in the environment (a command line is public)
-        secret = bytes.fromhex(os.environ.pop(L2_SECRET_ENV))
-        l2 = L2Tier(mgr, args.l2, model_id=args.l2_model_id, secret=secret,
-                    timeout=args.l2_timeout or DEFAULT_TIMEOUT,
-                    retry_s=args.l2_retry or DEFAULT_RETRY, ttl=args.l2_ttl)
-    engine = Engine(mgr, model, tokenizer.eos_token_ids, emit, args.id, args.max_batch, l2=l2)
+    engine = Engine(mgr, model, tokenizer.eos_token_ids, emit, args.id, args.max_batch)
     q: queue.Queue = queue.Queue()
     threading.Thread(target=_reader, args=(q,), daemon=True).start()
     writer.send(wire.Ready(args.id, os.getpid()))
@@ -105,14 +110,12 @@ def main(argv=None) -> int:
                 last_load = now
                 writer.send(wire.Load(args.id, len(engine.rows), len(engine.waiting),
                                       engine.preemptions, engine.working_bytes(),
-                                      l2.stats() if l2 is not None else {}))
+                                      mgr.l2.stats() if mgr.l2 is not None else {}))
     except BrokenPipeError:
         return 0
     finally:
         engine.close()
-        if l2 is not None:
-            l2.close(flush_s=1.0)
-        mgr.close()
+        mgr.close()                 # (stops its L2 tier first: up to 1 s of writes)
 
 
 if __name__ == "__main__":

@@ -208,9 +208,9 @@ class PoolOps:
             st = self._p.tables
             return [self._rid_of(t) for t in np.flatnonzero(st["state"] == 1).tolist()]
 
-    def _new_table(self, request_id: str) -> int:
+    def _new_table(self, request_id: str, key=None) -> int:
         p = self._p
-        raw, h = rid_key(request_id)
+        raw, h = key or rid_key(request_id)
         if self._tindex.find(raw, h) >= 0:
             raise ValueError(f"a block table for request {request_id!r} already exists")
         free = np.flatnonzero(p.tables["state"] == 0)

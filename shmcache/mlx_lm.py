@@ -141,9 +141,7 @@ class PoolSequence:
         table = mgr.create_block_table(request_id)
         try:
             bs = mgr.block_size
-            blocks, cached = mgr.acquire_computed_blocks(tokens, extra_keys)
-            for b in blocks:
-                mgr.add_block_to_table(table, b, bs)
+            _, cached = mgr.acquire_computed_blocks(tokens, extra_keys, table=table)
             l2 = getattr(mgr, "l2", None)
             chain = None
             if l2 is not None:

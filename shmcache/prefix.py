@@ -6,14 +6,12 @@ from __future__ import annotations
 import logging
 from typing import Any, List, Optional, Tuple
 
-
 from . import layout as L
-from .blocks import BlockHash, CacheBlock, compute_block_hash, token_bytes
+from .blocks import BlockHash, BlockTable, CacheBlock, compute_block_hash, token_bytes
+from .core import PoolOps
 from .views import SharedBlock
 
 logger = logging.getLogger("shmcache.paged_cache")
-
-from .core import PoolOps
 
 
 class PrefixOps(PoolOps):
@@ -89,26 +87,62 @@ class PrefixOps(PoolOps):
         return [SharedBlock(self, b) for b in found], len(found) * self.block_size
 
     def acquire_computed_blocks(self, token_ids: List[int],
-                                extra_keys: Optional[Tuple[Any, ...]] = None
+                                extra_keys: Optional[Tuple[Any, ...]] = None,
+                                table: Optional[BlockTable] = None
                                 ) -> Tuple[List[CacheBlock], int]:
         """Look up the longest cached prefix and take a reference on each of
         its blocks, in one atomic step.
 
+        Args:
+            token_ids: the tokens; only whole blocks are looked up.
+            extra_keys: the tenant salt (entries of other salts never match).
+            table: where the references go. None: this manager holds them
+                (free them, or add them to a table). A table (empty or not):
+                the blocks are appended to it, full, in the same step, as
+                ``add_block_to_table(table, b, block_size)`` for each would
+                (one lock hold, no detour through the loose list).
         Returns:
-            (blocks, num_cached_tokens); the blocks are held by this manager
-            (free them, or add them to a table).
+            (blocks, num_cached_tokens).
+        Raises:
+            KeyError: ``table`` does not exist. CapacityError: no room for
+                the references (nothing changed).
         """
         if not self.enable_caching:
             token_bytes(token_ids)
+            if table is not None:
+                with self._p.lock:
+                    self._table_index(table)
             return [], 0
-        hashes = self._hashes(token_ids, len(token_ids) // self.block_size, extra_keys)
+        bs = self.block_size
+        hashes = self._hashes(token_ids, len(token_ids) // bs, extra_keys)
         with self._p.lock:
             self._sync()
-            found = self._lookup_chain(hashes)
-            self._refs.need(len(found))
-            for b in found:
-                self._take_ref(b)
-        return [SharedBlock(self, b) for b in found], len(found) * self.block_size
+            if table is None:
+                found = self._lookup_chain(hashes)
+                self._refs.need(len(found))
+                for b in found:
+                    self._take_ref(b)
+            else:
+                t = self._table_index(table)
+                found = self._lookup_chain(hashes)
+                self._refs.need_table(t, len(found))
+                p = self._p
+                now = p.now()
+                for b in found:
+                    if p.b_ref[b] == 0:
+                        if p.b_prev[b] < 0 or p.b_next[b] < 0:
+                            raise p.corrupt(f"block {b} has no references but is not in "
+                                            "the free list")
+                        self._fq.remove_id(b)
+                    p.b_ref[b] += 1
+                    p.b_last[b] = now
+                # NOTE: the references are counted before the table's list
+                # names them; a holder dying in between leaves counts above
+                # the lists, which repair recomputes from the lists.
+                self._refs.table_extend(t, found)
+                p.t_tok[t] += bs * len(found)
+                p.c[L.C_TOKENS] += bs * len(found)     # as add_block_to_table counts them
+        return [SharedBlock(self, b) for b in found], len(found) * bs
 
     # ================================================================= legacy
     @staticmethod

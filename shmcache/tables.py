@@ -11,7 +11,7 @@ from . import kv
 from . import layout as L
 from .blocks import (BlockTable, CacheBlock)
 from .errors import CapacityError, OutOfBlocksError
-from .views import SharedBlock
+from .views import SharedBlock, SharedBlockTable
 
 logger = logging.getLogger("shmcache.paged_cache")
 
@@ -28,9 +28,11 @@ class TableOps(PoolOps):
             ValueError: a table for ``request_id`` exists.
             CapacityError: every table slot is in use.
         """
+        key = rid_key(request_id)           # (hashed before the lock)
         with self._p.lock:
             self._sync()
-            return self._table_view(self._new_table(request_id))
+            t = self._new_table(request_id, key)
+            return SharedBlockTable(self, t, request_id, key[1])
 
     def get_block_table(self, request_id: str) -> Optional[BlockTable]:
         """The table of ``request_id`` (from any process), or None."""

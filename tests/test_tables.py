@@ -13,7 +13,7 @@ from shmcache import layout as L
 from shmcache import paged_cache as pc
 from shmcache.errors import OutOfBlocksError, PoolClosedError
 
-from _helpers import cached_table, snapshot, unchanged
+from _helpers import cached_table, snapshot, toks, unchanged
 from _helpers import pair as pair  # pytest fixtures
 
 # ====================================================================== allocation
@@ -255,3 +255,43 @@ def test_creator_context_manager_destroys(pool_name):
         m.allocate_block()
         assert os.path.exists(path)
     assert not os.path.exists(path)
+
+
+# ====================================================== acquiring into a table
+def _logical(m, t):
+    p = m._p
+    return (list(t.block_ids), t.num_tokens, [p.b_ref[b] for b in range(m.max_blocks)],
+            m.free_blocks, [int(x) for x in p.counters[[L.C_HITS, L.C_MISSES, L.C_TOKENS]]])
+
+
+def test_acquire_into_a_table_is_acquire_then_add(make_pool):
+    """acquire_computed_blocks(..., table=t) leaves the pool as acquiring and
+    then add_block_to_table for each block does: same table, references,
+    free list, counters; and no reference left loose."""
+    states = []
+    for fused in (False, True):
+        m = make_pool(block_size=4, max_blocks=32)
+        old, ids, tokens = cached_table(m, "old", 3)
+        m.delete_block_table("old")                  # cached, no references: in the free list
+        t = m.create_block_table("new")
+        query = tokens + toks(6, 1000)                # 3 cached blocks, then a miss
+        if fused:
+            got, n = m.acquire_computed_blocks(query, table=t)
+        else:
+            got, n = m.acquire_computed_blocks(query)
+            for b in got:
+                m.add_block_to_table(t, b, m.block_size)
+        assert n == 12 and [b.block_id for b in got] == ids
+        assert not m._refs.loose, "a reference was left loose"
+        assert m.check() == []
+        states.append(_logical(m, t))
+    assert states[0] == states[1]
+
+
+def test_acquire_into_an_unknown_table_changes_nothing(make_pool):
+    m = make_pool(block_size=4, max_blocks=32)
+    t, ids, tokens = cached_table(m, "old", 2)
+    before = snapshot(m)
+    with pytest.raises(KeyError):
+        m.acquire_computed_blocks(tokens, table="nope")
+    unchanged(m, before)

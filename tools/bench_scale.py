@@ -64,9 +64,7 @@ def worker(name: str, mix: str, start_at: float, seconds: float, seed: int, out:
                 rid = f"p{pid}.{ops}"
                 tokens = system + [rng.randrange(1 << 20, 1 << 30) for _ in range(4 * BS + rng.randrange(BS))]
                 t = mgr.create_block_table(rid)
-                blocks, cached = mgr.acquire_computed_blocks(tokens)
-                for b in blocks:
-                    mgr.add_block_to_table(t, b, BS)
+                _, cached = mgr.acquire_computed_blocks(tokens, table=t)
                 mgr.prepare_append(t, len(tokens) - cached)
                 mgr.cache_full_blocks(t.block_ids, tokens, cached // BS, len(tokens) // BS)
                 for _ in range(8):

@@ -160,21 +160,34 @@ class Workload:
         self.make_room(need)
         if self.held() + need > self.demand:
             return
-        got = self.attempt(CapacityError, self.m.acquire_computed_blocks, tokens, extra)
-        if got is REFUSED:
-            return
-        (blocks, ncached), ids = got, [b.block_id for b in got[0]]
+        rid = self.new_rid()
+        if self.rng.random() < 0.5:
+            # the table first, the prefix acquired straight into it (one step)
+            t = self.attempt(CapacityError, self.m.create_block_table, rid)
+            if t is REFUSED:
+                return
+            got = self.attempt(CapacityError, self.m.acquire_computed_blocks, tokens, extra, t)
+            if got is REFUSED:
+                self.call(self.m.delete_block_table, rid)
+                return
+            blocks = None
+        else:
+            got = self.attempt(CapacityError, self.m.acquire_computed_blocks, tokens, extra)
+            if got is REFUSED:
+                return
+            blocks = got[0]
+        ids, ncached = [b.block_id for b in got[0]], got[1]
         if ncached != len(ids) * self.bs:
             self.problem("violation", [f"acquired {len(ids)} blocks for {ncached} tokens"])
         self.r["acquired_hits"] += len(ids)
         self.verify_chain("acquired prefix", ids, tokens, extra, ncached)
-        rid = self.new_rid()
-        t = self.attempt(CapacityError, self.m.create_block_table, rid, free=ids)
-        if t is REFUSED:
-            return
+        if blocks is not None:
+            t = self.attempt(CapacityError, self.m.create_block_table, rid, free=ids)
+            if t is REFUSED:
+                return
+            for b in blocks:
+                self.call(self.m.add_block_to_table, t, b, self.bs)
         self.tables[rid] = [tokens[:ncached], extra, len(ids)]
-        for b in blocks:
-            self.call(self.m.add_block_to_table, t, b, self.bs)
         if ncached < len(tokens) and self.rng.random() < 0.3:
             self.fill(rid, tokens[ncached:])
         else:

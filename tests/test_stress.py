@@ -129,7 +129,7 @@ def test_stress_killing_waiters_keeps_lock_waits_short(tmp_path):
     """SIGKILLs aimed at processes asleep on the pool lock (where a lost
     wake-up used to leave the others sleeping on a free lock for minutes):
     nothing is lost, and the p99 wait for the lock stays far below 1 s."""
-    r, rep = run_stress(tmp_path, "--processes", "4", "--seconds", "5", "--kill-every", "0.2",
+    r, rep = run_stress(tmp_path, "--processes", "8", "--seconds", "6", "--kill-every", "0.2",
                         "--kill-waiters", "--overcommit", "2", "--seed", "11")
     assert_clean(r, rep)
     assert rep["waiter_kills"] >= 1, "no process was ever caught waiting on the lock"

@@ -179,11 +179,11 @@ def parent_main(args) -> int:
 
 def pick_victim(args, live, rng, path):
     """A random live worker; with ``--kill-waiters``, preferably one that is
-    asleep on the pool lock right now (watched for up to 50 ms), so that
+    asleep on the pool lock right now (watched for up to 200 ms), so that
     waiters die as well as holders. Sets ``waiting`` on the one picked."""
     if args.kill_waiters:
         by_pid = {c.proc.pid: c for c in live}
-        deadline = time.monotonic() + 0.05
+        deadline = time.monotonic() + 0.2
         while time.monotonic() < deadline:
             waiting = lock_waiters(path, [str(p) for p in by_pid])
             if waiting:

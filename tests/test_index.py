@@ -198,14 +198,6 @@ def test_tiny_tables(capacity):
     assert s.idx.find(0, 0) == -1
 
 
-def test_pool_indexes_are_at_most_half_full():
-    from shmcache.layout import compute_layout
-    for n in (2, 3, 100, 1000):
-        lay = compute_layout(4, n, True, 1, 1, 8, "float16", 4, n, 2 * n)
-        assert lay.hash_capacity >= 2 * n and lay.table_capacity >= 2 * n
-        assert lay.hash_capacity & (lay.hash_capacity - 1) == 0
-
-
 # ---------------------------------------------------------------- corruption
 def test_a_full_table_is_corruption_not_a_loop():
     """A sound index always has an empty slot; with none (corruption: the

@@ -1,15 +1,17 @@
 """The seed API (shmcache.paged_cache) over private and named pools: the
-public surface and signatures, live and dict-like views, and stats.
+public surface and signatures, the manager's attributes, stats, and
+copy-on-write on a shared block that is not a table's last.
 
 The seed's fixed bugs are in test_seed_fixes.py, allocation, block tables
 and close() in test_tables.py, check() in test_check.py and bad input in
-test_bad_input.py; their shared helpers are in _helpers.py."""
+test_bad_input.py; prefix caching is in test_prefix.py, the live views in
+test_views.py and the seed's containers in test_seed_views.py; their shared
+helpers are in _helpers.py."""
 
 from __future__ import annotations
 
 import ast
 import inspect
-import os
 import random
 
 import pytest
@@ -17,7 +19,7 @@ import pytest
 from shmcache import paged_cache as pc
 from shmcache.errors import OutOfBlocksError
 
-from _helpers import cached_table, full_scan, snapshot, stats_dict, toks, unchanged
+from _helpers import cached_table, full_scan, stats_dict, toks
 from _helpers import pair as pair  # pytest fixtures
 
 # ====================================================================== API surface
@@ -166,13 +168,6 @@ def test_default_constructor_and_sizes():
         m.close()
 
 
-def test_compute_block_hash_static_legacy(manager):
-    h = pc.PagedCacheManager.compute_block_hash([1, 2, 3])
-    assert isinstance(h, str) and len(h) == 16
-    assert h == manager.compute_block_hash([1, 2, 3])
-    assert h != manager.compute_block_hash([1, 2, 4])
-
-
 def test_get_memory_usage(manager):
     manager.get_new_blocks(3)
     u = manager.get_memory_usage()
@@ -183,181 +178,7 @@ def test_get_memory_usage(manager):
     assert u["utilization"] == 4 / 32
 
 
-# ====================================================================== live views
-def test_block_view_reflects_other_manager(pair):
-    m, other = pair
-    b = m.allocate_block()
-    ob = other.blocks[b.block_id]
-    assert ob.ref_count == 1
-    other.increment_ref(b.block_id)
-    assert b.ref_count == 2 and b.is_shared()
-    other.blocks[b.block_id].token_count = 3
-    assert b.token_count == 3 and not b.is_full(4)
-    ob.token_count = 4
-    assert b.is_full(4)
-    other.cache_full_blocks([ob], toks(4), 0, 1)
-    assert b.block_hash is not None and b.block_hash == ob.block_hash
-    assert b.hash_value == b.block_hash.hex()
-    import time
-    later = time.time() + 100.0
-    ob.last_access = later
-    assert abs(b.last_access - later) < 0.01
-    ob.touch()
-    assert b.last_access < later - 50          # touch: now, earlier than "later"
-    b.reset_hash()
-    assert ob.block_hash is None
-    assert other.get_computed_blocks(toks(4)) == ([], 0)
-    assert isinstance(b, pc.CacheBlock) and isinstance(b, pc.KVCacheBlock)
-    other.free_block(b.block_id)
-    m.free_block(b.block_id)
-    assert ob.ref_count == 0
-
-
-def test_block_view_block_hash_assignment(manager):
-    b = manager.allocate_block()
-    h = pc.BlockHash(os.urandom(16))
-    b.block_hash = h
-    assert b.block_hash == h
-    assert manager.get_cached_block(h) == b
-    assert manager.cached_block_hash_to_block.get_block(h) == b
-    with pytest.raises(ValueError):
-        b.block_hash = b"short"
-    assert b.block_hash == h
-    b.block_hash = None
-    assert manager.get_cached_block(h) is None
-    assert manager.check() == []
-
-
-def test_block_view_ref_count_cannot_be_assigned(manager):
-    b = manager.allocate_block()
-    before = snapshot(manager)
-    with pytest.raises(AttributeError):
-        b.ref_count = 5
-    unchanged(manager, before)
-
-
-def test_table_view_shared_between_managers(pair):
-    m, other = pair
-    t = m.create_block_table("req")
-    m.add_block_to_table(t, m.allocate_block(), 4)
-    ot = other.get_block_table("req")
-    assert ot is not None and ot.block_ids == t.block_ids and ot.num_tokens == 4
-    ot.add_block(other.allocate_block().block_id, 2)      # BlockTable.add_block, live
-    assert len(t) == 2 and t.num_tokens == 6 and t.block_ids == ot.block_ids
-    c = t.copy("copy")
-    assert isinstance(c, pc.BlockTable) and c.block_ids == t.block_ids
-    other.delete_block_table("req")
-    assert m.get_block_table("req") is None
-    with pytest.raises(KeyError):
-        len(t)
-    assert m.free_blocks == 31 and m.check() == []
-
-
-def test_free_queue_shared_between_managers(pair):
-    m, other = pair
-    m.get_new_blocks(3)
-    assert other.free_block_queue.ids() == m.free_block_queue.ids()
-    assert other.free_blocks == m.free_blocks == 28
-
-
-# ====================================================================== dict-like views
-def test_allocated_blocks_view(pair):
-    m, other = pair
-    a = m.allocated_blocks
-    assert len(a) == 1 and 0 in a and list(a) == [0]
-    blocks = other.get_new_blocks(3)
-    ids = [b.block_id for b in blocks]
-    assert len(a) == 4
-    assert all(i in a for i in ids)
-    assert set(a) == {0, *ids}
-    assert a[ids[0]].block_id == ids[0] and a[ids[0]].ref_count == 1
-    assert 20 not in a and -1 not in a and "x" not in a and 999 not in a
-    with pytest.raises(KeyError):
-        a[20]
-    assert a.get(20) is None
-    assert set(a.keys()) == set(a)
-    other.free_block_batch(blocks)
-    assert len(a) == 1
-
-
-def test_request_tables_view(pair):
-    m, other = pair
-    r = m.request_tables
-    assert len(r) == 0 and list(r) == []
-    other.create_block_table("a")
-    m.create_block_table("b")
-    assert len(r) == 2 and set(r) == {"a", "b"}
-    assert "a" in r and "zz" not in r and 5 not in r
-    assert r["a"].request_id == "a"
-    assert isinstance(r["a"], pc.BlockTable)
-    with pytest.raises(KeyError):
-        r["zz"]
-    assert r.get("zz") is None
-    m.delete_block_table("a")
-    assert set(other.request_tables) == {"b"}
-
-
-def test_hash_to_block_view(pair):
-    m, other = pair
-    h = m.hash_to_block
-    assert len(h) == 0
-    t, ids, tokens = cached_table(other, "r", 2)
-    assert len(h) == 2
-    keys = list(h)
-    assert all(isinstance(k, str) for k in keys)
-    assert {h[k] for k in keys} == set(ids)
-    assert keys[0] in h and "00" * 16 not in h and "not-hex" not in h
-    with pytest.raises(KeyError):
-        h["00" * 16]
-    assert h[other.blocks[ids[1]].block_hash.hex()] == ids[1]
-    assert dict(h) == {other.blocks[i].block_hash.hex(): i for i in ids}
-
-
-def test_hash_to_block_view_with_two_blocks_per_hash(manager):
-    cached_table(manager, "a", 1)
-    cached_table(manager, "b", 1)      # same tokens, cached again in another block
-    assert len(manager.cached_block_hash_to_block) == 1
-    h = manager.hash_to_block
-    assert len(h) == len(list(h)) == 1
-    assert h[list(h)[0]] in manager.request_tables["a"].block_ids + \
-        manager.request_tables["b"].block_ids
-    assert manager.check() == []
-
-
-def test_cached_block_hash_to_block_map(manager):
-    t, ids, tokens = cached_table(manager, "r", 2)
-    hm = manager.cached_block_hash_to_block
-    h0 = manager.blocks[ids[0]].block_hash
-    assert len(hm) == 2
-    assert hm.get_block(h0).block_id == ids[0]
-    assert hm.pop(h0, ids[1]) is None                 # wrong id: nothing popped
-    assert hm.get_block(h0).block_id == ids[0]
-    assert hm.pop(h0, ids[0]).block_id == ids[0]
-    assert hm.get_block(h0) is None and len(hm) == 1
-    hm.insert(h0, manager.blocks[ids[0]])
-    assert hm.get_block(h0).block_id == ids[0]
-    hm.clear()
-    assert len(hm) == 0 and manager.get_computed_blocks(tokens) == ([], 0)
-    assert manager.check() == []
-
-
 # ====================================================================== stats
-def test_stats_counters_are_shared(pair):
-    m, other = pair
-    cached_table(m, "r", 2)
-    other.get_computed_blocks(toks(8))
-    assert m.stats.cache_hits == other.stats.cache_hits == 2
-    other.get_computed_blocks(toks(4, base=900))
-    assert m.stats.cache_misses == 1
-    m.stats.cache_hits = 40
-    assert other.stats.cache_hits == 40 == other.get_stats().cache_hits
-    other.reset_stats()
-    assert m.stats.cache_hits == 0 and m.stats.cache_misses == 0
-    assert m.stats.allocated_blocks == 3          # derived: null + 2
-    with pytest.raises(AttributeError):
-        m.stats.allocated_blocks = 5
-
-
 def test_get_stats_is_a_snapshot(manager):
     s = manager.get_stats()
     manager.get_new_blocks(2)
@@ -430,3 +251,20 @@ def test_shared_blocks_stat_does_not_drift(manager):
         manager.delete_block_table(r)
     assert stats_dict(manager.get_stats()) == full_scan(manager)
     assert manager.get_stats().allocated_blocks == 1
+
+
+# ====================================================================== copy-on-write
+def test_prepare_append_copies_a_shared_block_that_is_not_the_last(manager):
+    """Regression (review of the core library; prepare_append is in
+    shmcache/tables.py): a partly filled shared block followed by a pre-added
+    empty block: the new token lands in the shared one, which must be
+    copied, not written in place."""
+    t = manager.create_block_table("a")
+    (a,) = manager.prepare_append(t, 2)
+    f = manager.fork_block_table(t, "b")
+    manager.add_block_to_table(f, manager.allocate_block(), 0)
+    out = manager.prepare_append(f, 1)
+    assert out[0].block_id != a.block_id
+    assert manager.get_block_table("a").block_ids == [a.block_id]
+    assert a.ref_count == 1 and out[0].ref_count == 1 and out[0].token_count == 3
+    assert manager.check() == []

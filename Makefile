@@ -17,7 +17,7 @@ setup: $(STAMP)
 		fi; \
 	fi
 
-$(STAMP): pyproject.toml setup.py shmcache/_hot.c shmcache/_hot_mutex.h shmcache/_native/mlxbuf.cpp
+$(STAMP): pyproject.toml setup.py shmcache/_native/hot.c shmcache/_native/hot_mutex.h shmcache/_native/mlxbuf.cpp shmcache/_native/copy.h
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test]'

@@ -1,12 +1,16 @@
-"""Build script for the optional native accelerators (everything else is in pyproject.toml).
+"""Build script for the native accelerators (everything else is in pyproject.toml).
 
-``shmcache._hot`` holds the pool's robust mutex calls and the fused
-allocate/free paths. ``shmcache._mlxbuf`` (C++, ``shmcache/_native/``, built
+``shmcache._hot`` (C, ``shmcache/_native/hot.c`` and ``hot_mutex.h``) holds
+the pool's robust mutex calls and the fused allocate/free paths; it is
+required on Linux, the platform shmcache runs on, so a build that cannot
+compile it fails instead of installing a slower package (elsewhere it stays
+optional). ``shmcache._mlxbuf`` (C++, ``shmcache/_native/mlxbuf.cpp``, built
 against MLX's headers with nanobind, as MLX's own bindings are) copies a KV
-read straight into new MLX arrays. Both are optional: where one cannot be
-compiled the package installs without it and uses the same mutex through
-ctypes, the same operations in Python (``shmcache/fastpath.py``), and numpy
-for the KV read (``shmcache/kv.py``), only slower.
+read straight into new MLX arrays; it is optional. The Python paths stay as
+the reference and the fallback (``SHMCACHE_PURE=1``, or a module not built):
+the same mutex through ctypes, the same operations in Python
+(``shmcache/fastpath.py``), and numpy for the KV read (``shmcache/kv.py``),
+only slower.
 """
 
 import os
@@ -37,6 +41,7 @@ def _mlxbuf():
     return [Extension(
         "shmcache._mlxbuf",
         ["shmcache/_native/mlxbuf.cpp", os.path.join(nb, "nb_combined.cpp")],
+        depends=["shmcache/_native/copy.h"],
         optional=True, language="c++",
         include_dirs=[nanobind.include_dir(), os.path.join(nb, "..", "ext", "robin_map", "include"),
                       os.path.join(root, "include")],
@@ -50,7 +55,8 @@ def _mlxbuf():
 
 
 setup(ext_modules=[
-    Extension("shmcache._hot", ["shmcache/_hot.c"], depends=["shmcache/_hot_mutex.h"], optional=True,
-              extra_compile_args=_FLAGS),
+    Extension("shmcache._hot", ["shmcache/_native/hot.c"],
+              depends=["shmcache/_native/hot_mutex.h"],
+              optional=not sys.platform.startswith("linux"), extra_compile_args=_FLAGS),
     *_mlxbuf(),
 ])

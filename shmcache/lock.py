@@ -16,7 +16,7 @@ it leaves cleanly; whoever next takes the lock and finds it set runs
 ``open_hot(mm, layout)`` returns an object with ``init_mutex()``,
 ``trylock()``/``lock()`` (0 taken, 1 taken from a dead holder, -1 busy for
 ``trylock``), ``unlock()``, ``release()``, ``lock_slices()``, and ``alloc``
-and ``free``: the fused operations of ``_hot.c``, or None (then
+and ``free``: the fused operations of ``_hot`` (``_native/hot.c``), or None (then
 ``fastpath`` does them in Python under the lock). Set ``SHMCACHE_PURE=1`` to
 use the reference path even where ``_hot`` is built.
 """

@@ -12,6 +12,13 @@ runs unchanged) and the better behaviour lives in the calls added here
 (``acquire_computed_blocks``, ``prepare_append``, ``trim_table``,
 ``free_block_batch``, ...); the README lists every deliberate difference
 ("Differences from the seed") and why.
+
+The class is assembled from mixins over ``core.PoolOps`` (the lock-held
+primitives): ``tables.TableOps`` (block tables), ``prefix.PrefixOps``
+(prefix caching), ``kv_ops.KVOps`` (the K/V payload) and ``admin.AdminOps``
+(statistics, resets, check and reclaim). This module keeps construction,
+block allocation and freeing, reference counts, eviction and the
+manager's lifetime.
 """
 
 from __future__ import annotations
@@ -20,21 +27,19 @@ import logging
 import os
 import secrets
 import weakref
-from typing import Any, Dict, List, Optional
+from typing import Dict, List, Optional
 
-import numpy as np
-
-from . import kv
 from . import layout as L
-from . import recovery
+from .admin import AdminOps
 from .blocks import (BlockHash, BlockHashToBlockMap, BlockTable, CacheBlock, CacheStats,
                      FreeKVCacheBlockQueue, KVCacheBlock, compute_block_hash)
 from .errors import CapacityError, OutOfBlocksError
 from .freelist import SharedFreeQueue
 from .index import PrefixIndex
 from .fastpath import alloc_loose, free_loose
+from .kv_ops import KVOps
 from .pool import Pool
-from .reclaim import close as _close, release_slot_holdings
+from .reclaim import close as _close
 from .prefix import PrefixOps
 from .tables import TableOps
 from .refs import RefStore
@@ -49,7 +54,7 @@ __all__ = ["BlockHash", "CacheBlock", "KVCacheBlock", "FreeKVCacheBlockQueue",
            "compute_block_hash"]
 
 
-class PagedCacheManager(TableOps, PrefixOps):
+class PagedCacheManager(TableOps, PrefixOps, KVOps, AdminOps):
     """Paged KV cache manager over a shared-memory block pool.
 
     ``PagedCacheManager(block_size, max_blocks, enable_caching)`` makes a
@@ -290,7 +295,9 @@ class PagedCacheManager(TableOps, PrefixOps):
             self._sync()
             return self._ensure_free(requested_blocks)
 
-    # ============================================================ statistics
+    # ============================================================ free space
+    # (on the class itself, not a mixin: the seed's fix, free_blocks a property
+    # of the manager, is checked on the class's own namespace)
     @property
     def free_blocks(self) -> int:
         """Number of free blocks."""
@@ -301,233 +308,7 @@ class PagedCacheManager(TableOps, PrefixOps):
         total = self.max_blocks - 1
         return 0.0 if total == 0 else 1.0 - self.free_blocks / total
 
-    def get_stats(self) -> CacheStats:
-        """A snapshot of the statistics (a ``PoolStats``: the seed's
-        ``CacheStats`` and the pool's capacities), computed from the pool's
-        state; ``total_tokens_cached`` is the seed's running count."""
-        return self._scan_stats()
-
-    def get_memory_usage(self) -> Dict[str, Any]:
-        s = self.get_stats()
-        asked = s.cache_hits + s.cache_misses
-        return {"block_size": self.block_size, "max_blocks": self.max_blocks,
-                "allocated_blocks": s.allocated_blocks, "free_blocks": s.free_blocks,
-                "shared_blocks": s.shared_blocks, "total_tokens_cached": s.total_tokens_cached,
-                "utilization": s.allocated_blocks / self.max_blocks,
-                "cache_hit_rate": s.cache_hits / asked if asked else 0,
-                "metadata_bytes": self._p.layout.metadata_size,
-                "kv_bytes": self._p.layout.arena_size,
-                **{k: getattr(s, k) for k in s.CAPACITY}}
-
-    def add_counters(self, deltas) -> None:
-        """Add ``{counter index: delta}`` to the pool's shared counters, under the lock.
-
-        For statistics kept by layers above the pool (the L2 tier's,
-        ``layout.C_L2``); every process's additions sum.
-
-        Raises:
-            ValueError: an index outside the counter area, or one of the
-                pool's own counters (0..15), which only the pool writes.
-        """
-        items = [(int(i), int(d)) for i, d in dict(deltas).items()]
-        for i, _ in items:
-            if not 16 <= i < L.NUM_COUNTERS:
-                raise ValueError(f"counter index {i} is not one of 16..{L.NUM_COUNTERS - 1}")
-        with self._lock:
-            c = self._p.c
-            for i, d in items:
-                c[i] += d
-
-    def l2_counters(self) -> Dict[str, int]:
-        """The pool-wide L2 counters (``layout.L2_COUNTERS``), summed over every process."""
-        c = self._p.c
-        return {name: int(c[i]) for name, i in L.C_L2.items()}
-
-    def reset_stats(self) -> None:
-        with self._p.lock:
-            for c in (L.C_HITS, L.C_MISSES, L.C_COW, L.C_EVICTIONS):
-                self._p.c[c] = 0
-
-    def _uncache_all(self) -> None:
-        with self._p.lock:
-            for b in self._index.cached_ids():
-                self._index.remove(b)
-
-    def reset_prefix_cache(self) -> bool:
-        """Drop the whole prefix cache; False (and nothing done) while blocks are in use."""
-        with self._p.lock:
-            self._sync()
-            used = self.max_blocks - self.free_blocks
-            if used > 1:
-                logger.warning(f"Cannot reset cache: {used - 1} blocks in use")
-                return False
-            self._uncache_all()
-            self._drop_payloads()           # as the seed: every cache_data = None
-            for c in (L.C_HITS, L.C_MISSES, L.C_EVICTIONS):
-                self._p.c[c] = 0
-            return True
-
-    def clear(self) -> None:
-        """Release every reference every process holds and empty the cache."""
-        with self._p.lock:
-            self._sync()
-            p = self._p
-            for s in np.flatnonzero(p.slots["state"] == 1).tolist():
-                release_slot_holdings(p, self._refs, s)
-            self._uncache_all()
-            self._drop_payloads()
-            p.c[L.C_EPOCH] += 1
-            self.reset_stats()
-            p.c[L.C_TOKENS] = 0
-            self._sync()
-
-    # ======================================================= shmcache additions
-    def write_kv(self, block_id: int, layer: int, keys, values, start: int = 0) -> None:
-        """Write K/V of shape (num_kv_heads, T, head_dim) into a block at ``start``.
-
-        Keys and values must be floating-point arrays (MLX or numpy; another
-        float width is converted to the pool's dtype).
-
-        Raises:
-            ValueError: the null block, a block this manager holds no
-                reference to (neither loose nor in a table it owns), or a bad
-                layer, shape or start. TypeError: a dtype that is not floating.
-        """
-        b = self._bid(block_id)
-        p = self._p
-        kv.check_layer(p, layer)
-        if b == 0:
-            raise ValueError("cannot write K/V into the null block (block 0)")
-        p.check_usable()
-        # (the check needs no lock when what it knows is current: the write
-        # itself is outside the lock either way, as is any use of a block
-        # this manager holds)
-        if not self._holds_fast(b):
-            with p.lock:
-                self._sync()
-                if not self._holds(b):
-                    raise ValueError(
-                        f"block {b} is not held by this manager: allocate or acquire it, or "
-                        "add it to one of its block tables, before writing its K/V")
-        kv.write(p, b, layer, keys, values, start)
-
-    def export_blocks(self, block_ids) -> np.ndarray:
-        """A copy of whole blocks' K/V in the storage dtype, every layer at once.
-
-        For moving blocks between tiers (the L2 tier): one copy of n blocks
-        instead of a read per block and layer. bfloat16 pools give raw
-        uint16 words.
-
-        Args:
-            block_ids: ids (or blocks) this manager holds.
-        Returns:
-            ``# (L, n, 2, H, T, D)`` array; ``[:, i, 0]`` keys, ``[:, i, 1]`` values.
-        Raises:
-            ValueError: the null block, or a block this manager does not hold.
-        """
-        ids = self._checked_held(block_ids)
-        return self._p.arena[:, ids]
-
-    def import_blocks(self, block_ids, data) -> None:
-        """Write whole blocks' K/V, the inverse of :meth:`export_blocks`.
-
-        Args:
-            block_ids: n ids this manager holds (fresh, unpublished blocks:
-                published ones are read by others).
-            data: ``# (L, n, 2, H, T, D)`` in the storage dtype (raw uint16
-                words for bfloat16), or layers ``lo:hi`` of it with ``layers``.
-        Raises:
-            ValueError: the null block, an unheld block, or a shape or dtype
-                that is not the pool's.
-        """
-        ids = self._checked_held(block_ids)
-        a = self._p.arena
-        data = np.asarray(data)
-        want = (a.shape[0], len(ids)) + a.shape[2:]
-        if data.shape != want or data.dtype != a.dtype:
-            raise ValueError(f"block payloads must be {want} {a.dtype}, "
-                             f"not {data.shape} {data.dtype}")
-        a[:, ids] = data
-
-    def _checked_held(self, block_ids) -> list:
-        ids = self._bids(block_ids)
-        p = self._p
-        p.check_usable()
-        for b in ids:
-            if b == 0:
-                raise ValueError("the null block (block 0) has no K/V")
-        if not all(self._holds_fast(b) for b in ids):
-            with p.lock:
-                self._sync()
-                for b in ids:
-                    if not self._holds(b):
-                        raise ValueError(f"block {b} is not held by this manager")
-        return ids
-
-    def append_kv(self, table: BlockTable, layer: int, keys, values, start: int) -> None:
-        """Write a span of K/V, (num_kv_heads, T, head_dim), into ``table`` at
-        token position ``start``, across as many blocks as it covers.
-
-        The positions must already be in the table (``prepare_append``).
-
-        Raises:
-            ValueError: the span is not within the table's tokens, or a
-                shape, layer or dtype is wrong (as ``write_kv``).
-        """
-        T = int(keys.shape[1])
-        if isinstance(start, bool) or not isinstance(start, int) or start < 0 \
-                or start + T > table.num_tokens:
-            raise ValueError(f"append_kv: tokens {start}..{start + T} are not within the "
-                             f"table's {table.num_tokens} tokens (prepare_append first)")
-        ids = table.block_ids
-        bs, done = self.block_size, 0
-        while done < T:
-            pos = start + done
-            n = min(bs - pos % bs, T - done)
-            self.write_kv(ids[pos // bs], layer, keys[:, done:done + n], values[:, done:done + n],
-                          pos % bs)
-            done += n
-
-    def read_kv(self, block_ids, layer: int):
-        """Gather blocks' K/V of one layer into MLX arrays (num_kv_heads, n*block_size, head_dim)."""
-        p = self._p
-        kv.check_layer(p, layer)
-        p.check_usable()
-        out = kv.read_fast(p, block_ids, layer)    # plain int ids, where built
-        return out if out is not None else kv.read(p, self._bids(block_ids), layer)
-
-    def check(self) -> List[str]:
-        """Every violated invariant, one line each; empty when consistent."""
-        with self._p.lock:
-            self._p.check_usable()
-            return recovery.check(self._p)
-
-    def reclaim_dead(self) -> int:
-        """Release everything held by managers whose process died.
-
-        Returns:
-            The number of block references released.
-        """
-        with self._p.lock:
-            self._sync()
-            p = self._p
-            n, p.reclaimed_in_repair = p.reclaimed_in_repair, 0
-            return n + self._reclaim_locked()
-
-    def holdings(self) -> List[Dict[str, Any]]:
-        """What each attached manager holds: slot, pid, alive, tables, blocks."""
-        with self._p.lock:
-            p = self._p
-            out = []
-            for s in np.flatnonzero(p.slots["state"] == 1).tolist():
-                tabs = np.flatnonzero((p.tables["state"] == 1) & (p.tables["owner"] == s)).tolist()
-                out.append({"slot": s, "pid": int(p.slots["pid"][s]),
-                            "start_time": float(p.slots["start_time"][s]),
-                            "alive": p.slot_alive(s), "tables": len(tabs),
-                            "table_blocks": int(sum(p.t_len[t] for t in tabs)),
-                            "loose_blocks": int(p.s_count[s])})
-            return out
-
+    # ================================================================ lifetime
     @property
     def layout(self) -> L.Layout:
         return self._p.layout

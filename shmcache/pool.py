@@ -1,8 +1,12 @@
 """A mapped pool segment: creation, attaching, the views every module uses.
 
 ``Pool`` owns the file descriptor, the mapping and one slot in the slot table
-(the identity under which this manager holds references). It knows nothing
-of the paged-cache API; ``PagedCacheManager`` builds that on top.
+(the identity under which this manager holds references; claiming it and
+telling live slots from dead ones is ``slots.SlotOps``, a base of ``Pool``).
+Here: creating and initialising a segment, attaching, mapping the views,
+taking a slot (reclaiming dead ones when none is free), the repair when the
+lock finds the pool dirty, and unmapping. It knows nothing of the
+paged-cache API; ``PagedCacheManager`` builds that on top.
 """
 
 from __future__ import annotations
@@ -10,55 +14,18 @@ from __future__ import annotations
 import logging
 import os
 import time
-import weakref
 
 import numpy as np
-import psutil
 
 from . import layout as L
 from . import recovery, segment
 from .reclaim import reclaim_dead_slots
 from .index import OpenIndex
-from .errors import CapacityError, CorruptPoolError, PoolClosedError
+from .errors import CorruptPoolError, PoolClosedError
 from .lock import PoolLock, open_hot
-from .platform import byte_held_by_other, byte_lock, byte_unlock
+from .slots import SlotOps, live_pools, liveness_fd, process_start_time
 
 logger = logging.getLogger("shmcache.paged_cache")
-
-_live_pools: "weakref.WeakSet[Pool]" = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    # The child shares the parent's open file descriptions, so its liveness
-    # byte would be the parent's. It must attach() on its own.
-    for p in list(_live_pools):
-        p._forked = True
-        p.lock.unusable = True
-        if p.live_fd >= 0 and p.live_fd != p.fd:
-            # Drop the child's reference to the liveness description, so the
-            # parent's death is seen even while this child lives (closing
-            # never unlocks: the parent still holds the description).
-            os.close(p.live_fd)
-        p.live_fd = -1
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _liveness_fd(fd: int) -> int:
-    # A second open file description of the segment, never mmapped, that
-    # carries this manager's liveness byte (an mmap keeps a dup of the fd it
-    # maps, and a forked child would keep that one too).
-    try:
-        return os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
-    except OSError:
-        return fd
-
-def process_start_time(pid: int) -> float:
-    try:
-        return psutil.Process(pid).create_time()
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return 0.0
 
 
 def _positive_int(name: str, v, minimum: int = 1) -> int:
@@ -69,7 +36,7 @@ def _positive_int(name: str, v, minimum: int = 1) -> int:
     return int(v)
 
 
-class Pool:
+class Pool(SlotOps):
     """One manager's view of a pool segment (not thread-safe by itself;
     callers hold ``lock``)."""
 
@@ -84,7 +51,7 @@ class Pool:
         self._forked = False
         self._repairing = False
         self.slot = -1
-        self.live_fd = _liveness_fd(fd)
+        self.live_fd = liveness_fd(fd)
         self._map_views()
         # the pool mutex and the fused operations (C, or ctypes + fastpath)
         self.native = self._open_native()
@@ -92,7 +59,7 @@ class Pool:
         self.lock.check_usable = self.check_usable
         self.lock.unusable = False
         self.reclaimed_in_repair = 0     # references released by repairs, not yet reported
-        _live_pools.add(self)
+        live_pools.add(self)       # (last: the fork handler needs a whole Pool)
 
     def _open_native(self):
         native = open_hot(self.mm, self.layout, self.created_at)
@@ -298,49 +265,13 @@ class Pool:
         h["ready"] = 1
 
     # ------------------------------------------------------------------ slots
-    def _liveness_off(self, slot: int) -> int:
-        return L.LIVENESS_OFF + slot
-
-    def slot_alive(self, slot: int) -> bool:
-        if slot == self.slot:
-            return True
-        return byte_held_by_other(self.fd, self._liveness_off(slot))
-
-    def dead_slots(self) -> list:
-        st = self.slots["state"]
-        return [int(s) for s in np.flatnonzero(st == 1) if not self.slot_alive(int(s))]
-
     def _take_slot(self) -> None:
         with self.lock:
-            st = self.slots["state"]
-            if not (st == 0).any() and not self.lock._keep_dirty:
+            if not (self.slots["state"] == 0).any() and not self.lock._keep_dirty:
                 # No free slot: release what dead holders left so their slots
                 # can be reused (a clean pool only; a dirty one waits for repair).
                 reclaim_dead_slots(self)
-            for s in np.flatnonzero(st == 0).tolist() + np.flatnonzero(st == 1).tolist():
-                if st[s] == 1:
-                    # a dead holder's slot: reused only once reclaimed (above,
-                    # or by the next reclaim), never with its references in it
-                    continue
-                if byte_lock(self.live_fd, self._liveness_off(s)):
-                    sl = self.slots[s]
-                    sl["pid"] = os.getpid()
-                    sl["start_time"] = process_start_time(os.getpid())
-                    sl["attached_at"] = time.time()
-                    sl["loose_head"] = -1
-                    sl["loose_count"] = 0
-                    sl["state"] = 1
-                    self.slot = self.lock.slot = int(s)
-                    return
-            raise CapacityError(
-                f"pool {self.name!r} has no free slot: all {self.layout.max_slots} "
-                "are attached by live processes (create it with a larger max_slots)")
-
-    def release_slot(self) -> None:
-        if self.slot >= 0:
-            self.slots["state"][self.slot] = 0
-            byte_unlock(self.live_fd, self._liveness_off(self.slot))
-            self.slot = self.lock.slot = -1
+            self._claim_slot()
 
     def _on_dirty(self):
         # The lock found the pool dirty (its previous holder died mid-update)
@@ -359,18 +290,6 @@ class Pool:
             self.reclaimed_in_repair += reclaim_dead_slots(self)
         finally:
             self._repairing = False
-
-    def _await_dead_holder(self, timeout: float = 2.0) -> None:
-        # NOTE: the kernel hands a robust mutex on when its dying holder's
-        # memory goes, a moment before its files (and liveness byte) close:
-        # wait for that, so that the repair reclaims what the holder held.
-        s = int(self.c[L.C_HOLDER])
-        if not 0 <= s < self.layout.max_slots or s == self.slot:
-            return
-        deadline = time.monotonic() + timeout
-        while (self.slots["state"][s] == 1 and self.slot_alive(s)
-               and time.monotonic() < deadline):
-            time.sleep(0.001)
 
     def corrupt(self, what: str) -> CorruptPoolError:
         """The error for a contradiction found in the shared state (``what``).
@@ -413,7 +332,7 @@ class Pool:
             return
         self.closed = True
         self.lock.unusable = True
-        _live_pools.discard(self)
+        live_pools.discard(self)
         for k in list(vars(self)):
             if k.startswith(("b_", "t_", "s_")) or k in (
                     "c", "raw", "header", "counters", "slots", "blocks", "hidx", "chunks",

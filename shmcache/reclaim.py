@@ -25,6 +25,7 @@ from .freelist import SharedFreeQueue
 from .errors import CorruptPoolError, PoolClosedError
 from .platform import byte_unlock
 from .refs import RefStore, unlink_table
+from .slots import live_pools
 
 
 def release_block(p, fq: SharedFreeQueue, b: int) -> None:
@@ -82,12 +83,11 @@ def _locked_here_through_another(p) -> bool:
     through another manager of this process. The mutex belongs to the thread
     that took it, so taking ``p``'s own lock would then fail with EDEADLK
     (a finalizer run by the GC inside that manager's op)."""
-    from .pool import _live_pools
     try:
         st = os.fstat(p.fd)
     except OSError:
         return False
-    for q in list(_live_pools):
+    for q in list(live_pools):
         if q is p or q.closed or q._forked or not q.lock._tlock._is_owned():
             continue
         try:

@@ -4,11 +4,10 @@ Every reference to a block (except the null block's permanent one) is one
 int32 block id in a *list* held in shared memory: a block table's list (in
 table order) or an attached slot's *loose* list (blocks a manager allocated,
 acquired or touched and has not put in a table). A list is a chain of
-chunks from the pool's chunk area (``layout.CHUNK_DTYPE``: a link and
-``CHUNK_IDS`` ids); the chain is exactly ``ceil(count / CHUNK_IDS)`` chunks
-long, the last one linking to -1. Unused chunks form a free list headed by
-counter ``C_FREE_CHUNK`` (their first id is -1). So sharing costs 4 bytes per
-reference: a fork of a 128-block table takes 9 chunks, whatever the blocks.
+chunks from the pool's chunk area (``chunks``: a link and ``CHUNK_IDS`` ids
+each, exactly ``ceil(count / CHUNK_IDS)`` chunks per list, free chunks on a
+list of their own). So sharing costs 4 bytes per reference: a fork of a
+128-block table takes 9 chunks, whatever the blocks.
 
 - A table's chain runs from ``head`` to ``tail`` in table order: every chunk
   is full but the tail, which holds ``(length - 1) % CHUNK_IDS + 1`` ids.
@@ -27,27 +26,24 @@ reference: a fork of a 128-block table takes 9 chunks, whatever the blocks.
 Invariant: a block's ``ref_count`` equals the number of ids naming it in live
 tables and attached slots' loose lists (plus 1 for the null block).
 Recovery recomputes ``ref_count`` from the lists, so the lists are the truth
-and ``ref_count`` a cache of it. Every chunk id read from shared memory is
-checked before it is used (``chain``, ``_new_chunk``), and every block id
-read from a list before it indexes a block (``block_at``, ``blocks_at``):
-one out of range or a list whose length needs more chunks than the pool has
-is corruption (``Pool.corrupt``).
-
-Positions are *words*: the index of an id in the chunk area seen as int32
-words (``Pool.kw``), ``chunk * CHUNK_WORDS + 1 + offset``.
+and ``ref_count`` a cache of it. Every chunk id and block id read from a
+list is checked before it is used (``chunks.ChunkArea``: ``chain``,
+``block_at``, ``blocks_at``); one out of range is corruption
+(``Pool.corrupt``). Positions are words of the chunk area (``chunks``).
 
 The owning manager keeps a process-local map block_id -> the words of its
 loose ids, only to find its own ids in O(1); it is rebuilt from shared memory
 whenever it could be stale, and never consulted by anyone else.
+
+Also here: a request id's key in the table index (``rid_key``) and taking
+a table out of the live tables (``unlink_table``).
 """
 
 from __future__ import annotations
 
 from .blocks import chain_hash
-from .errors import CapacityError
-from .layout import C_FREE_REF, C_FREE_REFS, C_NUM_TABLES, CHUNK_IDS, CHUNK_WORDS, RID_BYTES
-
-CI, CW = CHUNK_IDS, CHUNK_WORDS
+from .chunks import CI, CW, ChunkArea, chunks_for
+from .layout import C_NUM_TABLES, RID_BYTES
 
 
 def rid_key(request_id) -> tuple:
@@ -73,34 +69,21 @@ def unlink_table(p, t: int) -> None:
     p.tindex.remove(t, int(p.tables["rid_hash"][t]))
 
 
-def chunks_for(n: int) -> int:
-    """Chunks a list of ``n`` ids takes."""
-    return -(-n // CI)
+class RefStore(ChunkArea):
+    """The reference lists as one manager changes them: its own slot's
+    loose list (and a closing or dead slot's, emptied whole) and the lists
+    of tables (callers hold the pool lock).
 
+    Invariants: the module's; and ``loose`` maps each block id to the words
+    of this slot's loose ids that name it (rebuilt by ``resync`` whenever it
+    could be stale).
+    """
 
-class RefStore:
     def __init__(self, pool) -> None:
-        self.p = pool
+        super().__init__(pool)
         self.loose: dict = {}      # block_id -> [words] of this slot
 
-    # ---- the chunk pool -----------------------------------------------------
-    def free_chunks(self) -> int:
-        p = self.p
-        free = p.c[C_FREE_REFS]
-        if not 0 <= free <= p.layout.num_chunks:
-            raise p.corrupt(f"the free chunk counter is {free}, outside "
-                            f"[0, {p.layout.num_chunks}]")
-        return free
-
-    def need_chunks(self, k: int) -> None:
-        """Raise unless ``k`` chunks are free (check before commit)."""
-        if k > 0 and self.free_chunks() < k:
-            p = self.p
-            raise CapacityError(
-                f"pool {p.name!r} holds as many block references as it can "
-                f"({p.layout.max_refs}, max_refs): release some (delete tables, free "
-                "blocks), or create the pool with a larger max_refs")
-
+    # ---- room: checked before any commit -----------------------------------
     def loose_chunks_needed(self, n: int) -> int:
         cnt = self.p.s_count[self.p.slot]
         return chunks_for(cnt + n) - chunks_for(cnt)
@@ -116,81 +99,6 @@ class RefStore:
     def need_table(self, t: int, n: int) -> None:
         """Raise unless table ``t`` can take ``n`` more ids."""
         self.need_chunks(self.table_chunks_needed(t, n))
-
-    def _new_chunk(self) -> int:
-        p = self.p
-        c = p.c[C_FREE_REF]
-        n = p.layout.num_chunks
-        if c < 0:
-            raise CapacityError(f"pool {p.name!r} has no free reference chunk")
-        if c >= n:
-            raise p.corrupt(f"the free chunk list's head is {c}, outside [0, {n})")
-        w = p.kw
-        base = c * CW
-        nxt = w[base]
-        if w[base + 1] != -1 or not -1 <= nxt < n:
-            raise p.corrupt(f"chunk {c} is on the free list but holds block {w[base + 1]} "
-                            f"or links to {nxt}")
-        p.c[C_FREE_REF] = nxt
-        p.c[C_FREE_REFS] -= 1
-        w[base] = -1
-        return c
-
-    def _free_chunk(self, c: int) -> None:
-        p = self.p
-        w = p.kw
-        w[c * CW + 1] = -1
-        w[c * CW] = p.c[C_FREE_REF]
-        p.c[C_FREE_REF] = c
-        p.c[C_FREE_REFS] += 1
-
-    # ---- walks: every chunk id read from shared memory, checked ------------
-    def _check_chunk(self, c: int, what: str) -> int:
-        if not 0 <= c < self.p.layout.num_chunks:
-            raise self.p.corrupt(f"{what} is chunk {c}, outside [0, {self.p.layout.num_chunks})")
-        return c
-
-    def chain(self, head: int, count: int, what: str, *args) -> list:
-        """The ``ceil(count / CHUNK_IDS)`` chunks of the list at ``head``,
-        each checked to be in range and met once, the last linking to -1.
-        Changes nothing. (``what.format(*args)``
-        names the list in errors.)"""
-        p = self.p
-        n = p.layout.num_chunks
-        k = chunks_for(count) if count > 0 else 0
-        if count < 0 or k > n:
-            raise p.corrupt(f"{what.format(*args)} counts {count} ids, more than the pool's "
-                            f"{n} chunks hold")
-        w = p.kw
-        out = []
-        c = head
-        for _ in range(k):
-            if not 0 <= c < n:
-                raise p.corrupt(f"{what.format(*args)} links to chunk {c}, outside [0, {n})")
-            out.append(c)
-            c = w[c * CW]
-        if k and c != -1:
-            raise p.corrupt(f"{what.format(*args)} goes on past its last chunk {out[-1]} "
-                            f"(to {c})")
-        if k > 1 and len(set(out)) < k:
-            raise p.corrupt(f"{what.format(*args)} reaches a chunk twice (a cycle)")
-        return out
-
-    def block_at(self, g: int, what: str, *args) -> int:
-        """The block at word ``g``, checked to be one: in [1, max_blocks)."""
-        b = self.p.kw[g]
-        if not 0 < b < self.p.layout.max_blocks:
-            raise self.p.corrupt(f"{what.format(*args)}: word {g} names block {b}, outside "
-                                 f"[1, {self.p.layout.max_blocks})")
-        return b
-
-    def blocks_at(self, words: list, what: str, *args) -> list:
-        w, n = self.p.kw, self.p.layout.max_blocks
-        out = [w[g] for g in words]
-        if out and (min(out) < 1 or max(out) >= n):
-            for g in words:
-                self.block_at(g, what, *args)   # raises at the first bad one
-        return out
 
     # ---- loose references of this slot -------------------------------------
     def slot_words(self, slot: int) -> list:

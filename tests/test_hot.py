@@ -1,6 +1,6 @@
-"""The fused allocate/free paths (shmcache/_hot.c, and fastpath.py where it
-is not built) over corrupt shared state: every index they read from shared
-memory is checked before use. One out of range gives up the fast path; the
+"""The fused allocate/free paths (shmcache/_native/hot.c, and fastpath.py
+where it is not loaded) over corrupt shared state: every index they read
+from shared memory is checked before use. One out of range gives up the fast path; the
 Python path then raises CorruptPoolError (having rebuilt the derived state)
 or does the operation, and the pool is consistent afterwards. Each case runs
 in a subprocess: before, an out-of-range free-list or free-record head was a

@@ -3,15 +3,16 @@
  *
  * The mutex itself (a process-shared robust pthread mutex in the pool
  * header), the Hot object's layout and how a fused op takes the lock are in
- * _hot_mutex.h.
+ * hot_mutex.h.
  *
  * alloc() and free() do exactly what shmcache/fastpath.py does (which stays
- * as the fallback where this module is not built), plus taking and leaving
- * the lock, in one call: in Python a call costs as much as the work. They
- * only ever *try* the lock: holding the GIL while waiting for a lock that
- * another thread of this process holds would deadlock, so when the lock is
- * busy, the pool dirty, the manager's view stale or anything unusual they
- * return None having changed nothing, and the caller takes the slow path.
+ * as the reference, and the path taken where this module is not loaded),
+ * plus taking and leaving the lock, in one call: in Python a call costs as
+ * much as the work. They only ever *try* the lock: holding the GIL while
+ * waiting for a lock that another thread of this process holds would
+ * deadlock, so when the lock is busy, the pool dirty, the manager's view
+ * stale or anything unusual they return None having changed nothing, and
+ * the caller takes the slow path.
  *
  * NOTE: crash consistency is the Python code's: the dirty mark is set (with a
  * fence) before the first shared write and cleared after the last, so a
@@ -32,9 +33,9 @@
 #include <string.h>
 #include <time.h>
 
-#include "_hot_mutex.h"
+#include "hot_mutex.h"
 
-/* The Hot object, with what the fused ops need beyond _hot_mutex.h's
+/* The Hot object, with what the fused ops need beyond hot_mutex.h's
  * parameters (set_chunks): how many reference chunks there are, where a
  * block record keeps its generation, and the seed's token counter.
  *

@@ -1,5 +1,6 @@
-/* shmcache/_hot_mutex.h: the pool mutex, and how shmcache._hot's fused ops
- * take it. Included by _hot.c only (after Python.h).
+/* shmcache/_native/hot_mutex.h: the pool mutex, and how shmcache._hot's fused
+ * ops take it. Included by hot.c only; it includes Python.h itself, first,
+ * so that it also compiles on its own.
  *
  * Hot is the Python object: a writable buffer over the pool's mapping and
  * the offsets (a tuple of ints, in the order of the P_ enum) of the mutex,
@@ -18,6 +19,11 @@
  */
 #ifndef SHMCACHE_HOT_MUTEX_H
 #define SHMCACHE_HOT_MUTEX_H
+
+#ifndef PY_SSIZE_T_CLEAN
+#define PY_SSIZE_T_CLEAN
+#endif
+#include <Python.h>     /* before any system header, as Python requires */
 
 #include <errno.h>
 #include <pthread.h>

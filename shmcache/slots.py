@@ -1,0 +1,131 @@
+"""Slots: the identity a manager holds references under, and whether the
+process behind each one is alive.
+
+A manager attached to a pool holds one slot of the slot table
+(``layout.SLOT_DTYPE``: pid, start time, attach time, state, the head and
+length of its loose list). Its process is alive exactly while the OFD lock
+on the slot's liveness byte (``layout.LIVENESS_OFF + slot``) is held: the
+kernel drops that lock with the last reference to its open file
+description, so "is that byte held?" answers "is the holder alive?", and
+the pid and start time are only for display.
+
+The lock is taken on a second open file description of the segment
+(``liveness_fd``), never mapped, so that a forked child can drop its copy:
+this module also keeps the pools this process has mapped (``live_pools``)
+and, after a fork, makes the child's copies unusable (the child must
+attach on its own). ``reclaim`` reads ``live_pools`` too, to see whether
+this thread holds a segment's lock through another manager.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import weakref
+
+import numpy as np
+import psutil
+
+from . import layout as L
+from .errors import CapacityError
+from .platform import byte_held_by_other, byte_lock, byte_unlock
+
+live_pools: "weakref.WeakSet" = weakref.WeakSet()   # every mapped Pool of this process
+
+
+def _after_fork_in_child() -> None:
+    # The child shares the parent's open file descriptions, so its liveness
+    # byte would be the parent's. It must attach() on its own.
+    for p in list(live_pools):
+        p._forked = True
+        p.lock.unusable = True
+        if p.live_fd >= 0 and p.live_fd != p.fd:
+            # Drop the child's reference to the liveness description, so the
+            # parent's death is seen even while this child lives (closing
+            # never unlocks: the parent still holds the description).
+            os.close(p.live_fd)
+        p.live_fd = -1
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def liveness_fd(fd: int) -> int:
+    """A second open file description of the segment ``fd``, never mmapped,
+    to carry this manager's liveness byte (an mmap keeps a dup of the fd it
+    maps, and a forked child would keep that one too)."""
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return fd
+
+
+def process_start_time(pid: int) -> float:
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return 0.0
+
+
+class SlotOps:
+    """The slot half of ``Pool`` (a mixin): claiming and releasing this
+    manager's slot, and telling live slots from dead ones.
+
+    Invariants: a slot is attached (state 1) from ``_claim_slot`` to
+    ``release_slot``, and its liveness byte is locked by its holder all that
+    time; an attached slot whose byte is not held is dead, and is reused
+    only after its holdings are released (``reclaim``), never with its
+    references in it. Slots are claimed under the pool lock.
+    """
+
+    def _liveness_off(self, slot: int) -> int:
+        return L.LIVENESS_OFF + slot
+
+    def slot_alive(self, slot: int) -> bool:
+        if slot == self.slot:
+            return True
+        return byte_held_by_other(self.fd, self._liveness_off(slot))
+
+    def dead_slots(self) -> list:
+        st = self.slots["state"]
+        return [int(s) for s in np.flatnonzero(st == 1) if not self.slot_alive(int(s))]
+
+    def _claim_slot(self) -> None:
+        # (the caller holds the lock, and has reclaimed dead slots if none was free)
+        st = self.slots["state"]
+        for s in np.flatnonzero(st == 0).tolist() + np.flatnonzero(st == 1).tolist():
+            if st[s] == 1:
+                # a dead holder's slot: reused only once reclaimed (by the
+                # caller, or by the next reclaim), never with its references in it
+                continue
+            if byte_lock(self.live_fd, self._liveness_off(s)):
+                sl = self.slots[s]
+                sl["pid"] = os.getpid()
+                sl["start_time"] = process_start_time(os.getpid())
+                sl["attached_at"] = time.time()
+                sl["loose_head"] = -1
+                sl["loose_count"] = 0
+                sl["state"] = 1
+                self.slot = self.lock.slot = int(s)
+                return
+        raise CapacityError(
+            f"pool {self.name!r} has no free slot: all {self.layout.max_slots} "
+            "are attached by live processes (create it with a larger max_slots)")
+
+    def release_slot(self) -> None:
+        if self.slot >= 0:
+            self.slots["state"][self.slot] = 0
+            byte_unlock(self.live_fd, self._liveness_off(self.slot))
+            self.slot = self.lock.slot = -1
+
+    def _await_dead_holder(self, timeout: float = 2.0) -> None:
+        # NOTE: the kernel hands a robust mutex on when its dying holder's
+        # memory goes, a moment before its files (and liveness byte) close:
+        # wait for that, so that the repair reclaims what the holder held.
+        s = int(self.c[L.C_HOLDER])
+        if not 0 <= s < self.layout.max_slots or s == self.slot:
+            return
+        deadline = time.monotonic() + timeout
+        while (self.slots["state"][s] == 1 and self.slot_alive(s)
+               and time.monotonic() < deadline):
+            time.sleep(0.001)

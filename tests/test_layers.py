@@ -1,0 +1,191 @@
+"""The import graph of shmcache/ points only down: every module has a layer
+(``LAYERS``, bottom-up), imports only from its own layer or below, and no
+imports form a cycle.
+
+What counts as an import: every ``import``/``from ... import`` of a shmcache
+module, relative or absolute, wherever it is, a function body included: a
+lazy upward import is still an upward dependency (it only runs later). The
+one kind left out is an import under ``if TYPE_CHECKING:``, which never runs.
+Importing a module also runs its package's ``__init__``; that implicit edge
+is not counted, only the statements written.
+
+A new module must be placed in ``LAYERS`` (the test fails until it is). An
+upward import that cannot be avoided goes in ``ALLOWED``, with the reason.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import shmcache
+
+ROOT = Path(shmcache.__file__).parent
+
+# Bottom-up. "." is the package itself (shmcache/__init__.py); names are
+# relative to it, "l2" being shmcache/l2/__init__.py.
+LAYERS = [
+    ("leaves", "errors platform_linux _hot _mlxbuf"),
+    ("platform seam, byte map, BLAS binding",
+     "platform layout blas blas_elf blas_find blas_load"),
+    ("segment file, pool lock", "segment lock"),
+    ("shared structures", "blocks freelist index chunks refs slots"),
+    ("one mapped pool, recovery, reclaim", "pool recovery reclaim"),
+    ("manager primitives, K/V arena, live views", "core fastpath kv views"),
+    ("manager mixins, seed containers", "tables prefix kv_ops admin seed_views"),
+    ("the manager", "paged_cache"),
+    ("the package, mlx-lm caches, L2 tier",
+     ". mlx_lm l2 l2.client l2.codec l2.identity l2.store l2.tier"),
+    ("the server", "server server.api server.app server.backend server.engine "
+     "server.generation server.http_errors server.main server.metrics "
+     "server.openai_types server.protocol server.responses server.sample_text "
+     "server.validation server.wire server.worker demo_model"),
+    ("the command", "cli inspect_pool doctor"),
+]
+
+# Compiled modules (shmcache/_native/): they import nothing from shmcache.
+NATIVE = {"shmcache._hot", "shmcache._mlxbuf"}
+
+# (importer, imported) -> why an upward import is unavoidable. None today.
+ALLOWED: dict = {}
+
+
+def _full(short: str) -> str:
+    return "shmcache" if short == "." else f"shmcache.{short}"
+
+
+LAYER = {_full(s): (i, label) for i, (label, names) in enumerate(LAYERS)
+         for s in names.split()}
+
+
+def python_modules() -> dict:
+    """Dotted name -> path of every .py module under shmcache/."""
+    out = {}
+    for f in sorted(ROOT.rglob("*.py")):
+        parts = ("shmcache",) + f.relative_to(ROOT).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = f
+    return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def imports_of(source: str, name: str, is_package: bool, known) -> list:
+    """``[(imported module, line)]`` of the shmcache modules that module
+    ``name`` imports, at any depth but under ``if TYPE_CHECKING:``.
+    A name imported from a module (not a submodule) counts as that module."""
+    pkg = name.split(".") if is_package else name.split(".")[:-1]
+    found = []
+
+    def targets(node) -> list:
+        if isinstance(node, ast.Import):
+            return [a.name for a in node.names]
+        if node.level:
+            base = ".".join(pkg[:len(pkg) - node.level + 1] + [node.module or ""]).rstrip(".")
+        else:
+            base = node.module or ""
+        return [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
+                for a in node.names]
+
+    class Visitor(ast.NodeVisitor):
+        def visit_If(self, node: ast.If) -> None:
+            if _is_type_checking(node.test):
+                for n in node.orelse:
+                    self.visit(n)
+            else:
+                self.generic_visit(node)
+
+        def visit_Import(self, node) -> None:
+            for t in targets(node):
+                if t == "shmcache" or t.startswith("shmcache."):
+                    while t not in known and "." in t:
+                        t = t.rsplit(".", 1)[0]    # a name of a module: that module
+                    if t != name:
+                        found.append((t, node.lineno))
+
+        visit_ImportFrom = visit_Import
+
+    Visitor().visit(ast.parse(source))
+    return found
+
+
+def import_graph() -> dict:
+    """Module -> [(imported module, line)] for every module under shmcache/."""
+    mods = python_modules()
+    known = set(mods) | NATIVE
+    return {m: imports_of(f.read_text(), m, f.name == "__init__.py", known)
+            for m, f in mods.items()}
+
+
+def _where(m: str, line: int) -> str:
+    return f"{python_modules()[m].relative_to(ROOT.parent)}:{line}"
+
+
+def test_every_module_has_a_layer():
+    mods = set(python_modules())
+    missing = sorted(mods - set(LAYER))
+    assert not missing, ("modules with no layer: place each in tests/test_layers.py's LAYERS "
+                         f"(the lowest layer above everything it imports): {missing}")
+    stale = sorted(set(LAYER) - mods - NATIVE)
+    assert not stale, f"LAYERS names modules that do not exist: {stale}"
+
+
+def test_imports_point_down():
+    bad = []
+    for m, edges in import_graph().items():
+        for t, line in edges:
+            (lm, name_m), (lt, name_t) = LAYER[m], LAYER[t]
+            if lt > lm and (m, t) not in ALLOWED:
+                bad.append(f"{_where(m, line)}: {m} (layer {lm}, {name_m}) imports {t} "
+                           f"(layer {lt}, {name_t}), an upward import")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycle():
+    graph = import_graph()
+    state: dict = {}          # module -> 1 on the current path, 2 done
+    path: list = []           # [(module, line of the import that led to the next)]
+
+    def visit(m: str):
+        state[m] = 1
+        for t, line in graph.get(m, ()):
+            path.append((m, line))
+            if state.get(t) == 1:
+                i = next(k for k, (n, _) in enumerate(path) if n == t)
+                return " -> ".join(f"{n} ({_where(n, ln)})" for n, ln in path[i:]) + f" -> {t}"
+            if t not in state:
+                cycle = visit(t)
+                if cycle:
+                    return cycle
+            path.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state:
+            cycle = visit(m)
+            assert cycle is None, f"import cycle: {cycle}"
+
+
+def test_the_scanner_counts_lazy_imports_and_skips_type_checking():
+    src = ("from typing import TYPE_CHECKING\n"
+           "import numpy\n"
+           "from .. import layout as L\n"
+           "from ..errors import CapacityError\n"
+           "from . import codec\n"
+           "import shmcache.refs\n"
+           "if TYPE_CHECKING:\n"
+           "    from ..paged_cache import PagedCacheManager\n"
+           "def f():\n"
+           "    from ..pool import Pool\n"
+           "    from shmcache import _hot\n")
+    known = {"shmcache", "shmcache.l2", "shmcache.l2.x", "shmcache.l2.codec", "shmcache.layout",
+             "shmcache.errors", "shmcache.refs", "shmcache.paged_cache", "shmcache.pool",
+             "shmcache._hot"}
+    got = imports_of(src, "shmcache.l2.x", False, known)
+    assert got == [("shmcache.layout", 3), ("shmcache.errors", 4), ("shmcache.l2.codec", 5),
+                   ("shmcache.refs", 6), ("shmcache.pool", 10), ("shmcache._hot", 11)]

@@ -10,8 +10,8 @@ input raises before anything changes.
 The seed's own methods keep the seed's behaviour (so code written for it
 runs unchanged) and the better behaviour lives in the calls added here
 (``acquire_computed_blocks``, ``prepare_append``, ``trim_table``,
-``free_block_batch``, ...); the README lists every deliberate difference
-("Differences from the seed") and why.
+``free_block_batch``, ...); docs/seed_differences.md lists every
+deliberate difference and why.
 
 The class is assembled from mixins over ``core.PoolOps`` (the lock-held
 primitives): ``tables.TableOps`` (block tables), ``prefix.PrefixOps``

@@ -7,6 +7,7 @@ SHMCACHE_PURE set); tests/test_kv.py then covers the numpy read alone.
 from __future__ import annotations
 
 import gc
+from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
@@ -79,6 +80,36 @@ def test_matches_the_reference_for_any_shape(L, M, H, T, D, dtype, data):
     want = layer_kv(arena, ids, layer)
     assert k.shape == v.shape == (H, len(ids) * T, D)
     assert raw_of(k).tobytes() == want[0].tobytes() and raw_of(v).tobytes() == want[1].tobytes()
+
+
+STREAM_FROM = 4 << 20       # copy.h's kStreamFrom: reads of this many bytes or more stream
+
+
+@pytest.mark.parametrize("dtype", list(STORAGE))
+@pytest.mark.parametrize("skew", [0, 6])
+@pytest.mark.parametrize("T,D", [(16, 64), (15, 65)])
+def test_cached_and_streamed_copies_match_the_numpy_read(monkeypatch, dtype, skew, T, D):
+    """Reads on both sides of the size from which the copy streams its
+    stores, at the engine's chunks (2 or 4 KiB) and at chunks that are no
+    multiple of 32 bytes (so most chunks land off a 32-byte boundary, with a
+    head and a tail outside the 128-byte loop), from an arena `skew` bytes
+    past a page: the same bytes as kv.py's numpy read."""
+    H, M = 4, 40
+    arena = arena_of((2, M, 2, H, T, D), dtype, seed=T + skew, skew=skew)
+    per_block = 2 * H * T * D * arena.itemsize                  # K and V of one block
+    first = -(-STREAM_FROM // per_block)                         # the fewest blocks that stream
+    pool = SimpleNamespace(arena=arena, layout=SimpleNamespace(
+        dtype=dtype, num_kv_heads=H, block_size=T, head_dim=D))
+    rng = np.random.default_rng(skew)
+    for n in (first // 4, first - 1, first, 2 * first):
+        ids = rng.integers(0, M, n).tolist()
+        k, v = native.read_layer(arena, ids, 1, STORAGE[dtype][1])
+        with monkeypatch.context() as mp:
+            mp.setattr(kv, "_native", None)
+            want = kv.read(pool, ids, 1)
+        for got, w in zip((k, v), want):
+            assert got.shape == (H, n * T, D) and got.dtype == w.dtype
+            assert raw_of(got).tobytes() == raw_of(w).tobytes(), (n, n * per_block)
 
 
 @pytest.mark.parametrize("skew", [0, 64, 2052, 2])

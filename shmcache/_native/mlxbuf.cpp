@@ -22,16 +22,19 @@
 // may change between versions: shmcache/kv.py uses this module only with the
 // MLX version it was compiled against, and after a self-check.
 //
-// NOTE: one thread and plain memcpy: at the sizes the engine reads (one
-// layer of one prefix, 1-8 MiB) a helper thread, AVX2 and non-temporal
-// stores gained under 1.3x on the development VM (docs/performance.md).
+// NOTE: one thread: at the sizes the engine reads (one layer of one prefix,
+// 1-8 MiB, one read per admitted sequence) the kept helper thread this
+// module once had gained nothing on the development VM (docs/performance.md,
+// "KV read path"). Each chunk is copied by copy.h's ChunkCopy (AVX2 loads
+// and stores, streaming stores for large reads): there, the full read was
+// 1.25-2.2x faster with it than with one memcpy per chunk.
 #include <nanobind/nanobind.h>
 
 #include <cstdint>
-#include <cstring>
 #include <string>
 #include <vector>
 
+#include "copy.h"
 #include "mlx/allocator.h"
 #include "mlx/array.h"
 
@@ -134,14 +137,14 @@ nb::object read_layer(nb::handle arena, nb::handle ids, int layer, mx::Dtype dty
   }
   {
     nb::gil_scoped_release nogil;
+    const shmcache::ChunkCopy copy(2 * nbytes);   // fences, if it streamed, at the brace
     // Block by block: the source then comes in runs of 2*H chunks, which
     // the hardware prefetcher follows; K|V and head inside, so the result
     // is (K|V, H, n, T, D).
     for (int64_t i = 0; i < n; i++) {
       const char* s = src + id[static_cast<size_t>(i)] * stride;
       for (int64_t j = 0; j < 2 * H; j++)
-        std::memcpy(dst + at[j / H] + ((j % H) * n + i) * chunk, s + j * chunk,
-                    static_cast<size_t>(chunk));
+        copy(dst + at[j / H] + ((j % H) * n + i) * chunk, s + j * chunk, chunk);
     }
   }
   mx::Shape sh{static_cast<int>(H), static_cast<int>(n * T), static_cast<int>(D)};

@@ -169,7 +169,7 @@ class PoolOps:
         p = self._p
         if isinstance(table, SharedBlockTable) and table._m._p is p:
             t = table._t
-            if p.t_state[t] == 1 and int(p.tables["rid_hash"][t]) == table._rh:
+            if p.t_state[t] == 1 and p.t_rhash[t] == table._rh:
                 return self._checked_table(t)
             raise KeyError(f"block table {table.request_id!r} no longer exists")
         rid = getattr(table, "request_id", table)

@@ -17,8 +17,11 @@ it leaves cleanly; whoever next takes the lock and finds it set runs
 ``trylock()``/``lock()`` (0 taken, 1 taken from a dead holder, -1 busy for
 ``trylock``), ``unlock()``, ``release()``, ``lock_slices()``, and ``alloc``
 and ``free``: the fused operations of ``_hot`` (``_native/hot.c``), or None (then
-``fastpath`` does them in Python under the lock). Set ``SHMCACHE_PURE=1`` to
-use the reference path even where ``_hot`` is built.
+``fastpath`` does them in Python under the lock). ``_hot`` also has the table
+operations ``table_new``, ``table_take``, ``table_append`` and ``table_drop`` and the prefix
+lookup ``find_chain``, which run inside a hold of this lock (the reference mutex has none: callers look them
+up with ``getattr`` and run the Python path without them). Set
+``SHMCACHE_PURE=1`` to use the reference path even where ``_hot`` is built.
 """
 
 from __future__ import annotations
@@ -53,7 +56,10 @@ _P_NAMES = ("mutex_off", "counters_off",
             "refs_off", "ref_size", "r_block", "r_next",
             "slots_off", "slot_size", "s_head", "s_count",
             "max_blocks", "max_slots", "flag_cached",
-            "c_dirty", "c_num_free", "c_free_ref", "c_free_refs", "c_ops", "c_epoch", "c_holder")
+            "c_dirty", "c_num_free", "c_free_ref", "c_free_refs", "c_ops", "c_epoch", "c_holder",
+            "tables_off", "table_size", "t_state", "t_head", "t_tail", "t_len", "t_tok",
+            "max_tables", "c_num_tables", "hash_off", "hash_cap", "b_hash",
+            "tindex_off", "tindex_cap", "t_rid", "rid_bytes", "t_rhash", "t_owner")
 
 
 def _params(**kw) -> tuple:
@@ -63,6 +69,7 @@ def _params(**kw) -> tuple:
 def hot_params(lay) -> tuple:
     """The byte offsets ``_hot.Hot`` works with."""
     bf, rf, sf = L.BLOCK_DTYPE.fields, L.REF_DTYPE.fields, L.SLOT_DTYPE.fields
+    tf = L.TABLE_DTYPE.fields
     return _params(
         mutex_off=L.MUTEX_OFF, counters_off=lay.counters_off,
         blocks_off=lay.blocks_off, block_size=L.BLOCK_DTYPE.itemsize,
@@ -74,7 +81,14 @@ def hot_params(lay) -> tuple:
         s_head=sf["loose_head"][1], s_count=sf["loose_count"][1],
         max_blocks=lay.max_blocks, max_slots=lay.max_slots, flag_cached=L.FLAG_CACHED,
         c_dirty=L.C_DIRTY, c_num_free=L.C_NUM_FREE, c_free_ref=L.C_FREE_REF,
-        c_free_refs=L.C_FREE_REFS, c_ops=L.C_OPS, c_epoch=L.C_EPOCH, c_holder=L.C_HOLDER)
+        c_free_refs=L.C_FREE_REFS, c_ops=L.C_OPS, c_epoch=L.C_EPOCH, c_holder=L.C_HOLDER,
+        tables_off=lay.tables_off, table_size=L.TABLE_DTYPE.itemsize,
+        t_state=tf["state"][1], t_head=tf["head"][1], t_tail=tf["tail"][1],
+        t_len=tf["length"][1], t_tok=tf["num_tokens"][1], max_tables=lay.max_tables,
+        c_num_tables=L.C_NUM_TABLES, hash_off=lay.hash_off, hash_cap=lay.hash_capacity,
+        b_hash=L.BLOCK_HASH_OFF, tindex_off=lay.tindex_off, tindex_cap=lay.table_capacity,
+        t_rid=tf["request_id"][1], rid_bytes=L.RID_BYTES, t_rhash=tf["rid_hash"][1],
+        t_owner=tf["owner"][1])
 
 
 def open_hot(mm, lay, created_at: float, accelerated: bool = ACCELERATED):

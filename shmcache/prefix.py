@@ -66,7 +66,10 @@ class PrefixOps(PoolOps):
     def _lookup_chain(self, hashes) -> list:
         """Blocks of the longest cached run of ``hashes`` from the first (lock
         held), counting the hits and the miss that ends the run."""
-        found = self._index.find_chain(hashes)
+        fc = getattr(self._p.native, "find_chain", None)
+        found = fc(hashes) if fc is not None else None
+        if found is None:       # (no C, or it refused: the probes here raise)
+            found = self._index.find_chain(hashes)
         c = self._p.c
         c[L.C_HITS] += len(found)
         if len(found) < len(hashes):
@@ -125,9 +128,14 @@ class PrefixOps(PoolOps):
             else:
                 t = self._table_index(table)
                 found = self._lookup_chain(hashes)
-                self._refs.need_table(t, len(found))
                 p = self._p
                 now = p.now()
+                take = getattr(p.native, "table_take", None) if found else None
+                # C (_hot.table_take): the steps below in one call; None:
+                # nothing changed, and they run here (raising for what it refused)
+                if take is not None and take(t, found, now, bs * len(found)) is not None:
+                    return [SharedBlock(self, b) for b in found], len(found) * bs
+                self._refs.need_table(t, len(found))
                 for b in found:
                     if p.b_ref[b] == 0:
                         if p.b_prev[b] < 0 or p.b_next[b] < 0:

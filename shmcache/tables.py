@@ -31,7 +31,14 @@ class TableOps(PoolOps):
         key = rid_key(request_id)           # (hashed before the lock)
         with self._p.lock:
             self._sync()
-            t = self._new_table(request_id, key)
+            new = getattr(self._p.native, "table_new", None)
+            # C (_hot.table_new): _new_table's steps; None: nothing changed,
+            # and _new_table raises for what it refused
+            t = new(key[0], key[1], self._p.slot) if new is not None else None
+            if t is None:
+                t = self._new_table(request_id, key)
+            else:
+                self._tcache[t] = (key[1], None, {})
             return SharedBlockTable(self, t, request_id, key[1])
 
     def get_block_table(self, request_id: str) -> Optional[BlockTable]:
@@ -55,9 +62,17 @@ class TableOps(PoolOps):
         """
         with self._p.lock:
             self._sync()
+            p = self._p
             t = self._table_index(request_id)
             self._tcache.pop(t, None)
-            unlink_table(self._p, t)
+            drop = getattr(p.native, "table_drop", None)
+            # C (_hot.table_drop): the same steps but the index removal,
+            # which follows in this hold; None: nothing changed, and the
+            # Python path below meets (and raises for) what it refused
+            if drop is not None and drop(t) is not None:
+                p.tindex.remove(t, int(p.t_rhash[t]))
+                return
+            unlink_table(p, t)
             for b in reversed(self._refs.pop_table(t)):
                 self._release(b)
 
@@ -173,6 +188,14 @@ class TableOps(PoolOps):
             self._sync()
             p = self._p
             t = self._table_index(table)
+            append = getattr(p.native, "table_append", None)
+            # C (_hot.table_append): the common case (no copy-on-write, free
+            # blocks uncached) in one call; None: nothing changed, and the
+            # Python path below does it (or raises for what it refused)
+            if append is not None and num_new_tokens:
+                ids = append(t, num_new_tokens, self.block_size, p.now())
+                if ids is not None:
+                    return [SharedBlock(self, b) for b in ids]
             cow, new = self._append_plan(t, num_new_tokens)
             if not self._ensure_free(len(cow) + new):
                 raise OutOfBlocksError(f"prepare_append needs {len(cow) + new} free blocks, "

@@ -39,7 +39,7 @@ def _map(name):
 class _PythonOnly:
     """The pool's own mutex with the fused C operations hidden, so that the
     manager takes its Python fast path (a unit-test seam, nothing else)."""
-    alloc = free = None
+    alloc = free = table_new = table_drop = table_take = table_append = find_chain = None
 
     def __init__(self, native) -> None:
         self._n = native

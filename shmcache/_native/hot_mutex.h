@@ -40,6 +40,9 @@ enum {
     P_SLOTS_OFF, P_SLOT_SIZE, P_S_HEAD, P_S_COUNT,
     P_MAX_BLOCKS, P_MAX_SLOTS, P_FLAG_CACHED,
     P_C_DIRTY, P_C_NUM_FREE, P_C_FREE_REF, P_C_FREE_REFS, P_C_OPS, P_C_EPOCH, P_C_HOLDER,
+    P_TABLES_OFF, P_TABLE_SIZE, P_T_STATE, P_T_HEAD, P_T_TAIL, P_T_LEN, P_T_TOK,
+    P_MAX_TABLES, P_C_NUM_TABLES, P_HASH_OFF, P_HASH_CAP, P_B_HASH,
+    P_TINDEX_OFF, P_TINDEX_CAP, P_T_RID, P_RID_BYTES, P_T_RHASH, P_T_OWNER,
     P_COUNT
 };
 
@@ -65,6 +68,7 @@ typedef struct {
 #define RF(h, r, f) (*(int32_t *)((h)->base + (h)->p[P_REFS_OFF] + (int64_t)(r) * (h)->p[P_REF_SIZE] + (h)->p[f]))
 #define RBLOCK(h, r) RF(h, r, P_R_BLOCK)
 #define RNEXT(h, r) RF(h, r, P_R_NEXT)
+#define TF(h, t, f) (*(int32_t *)((h)->base + (h)->p[P_TABLES_OFF] + (int64_t)(t) * (h)->p[P_TABLE_SIZE] + (h)->p[f]))
 #define SF(h, s, f) (*(int32_t *)((h)->base + (h)->p[P_SLOTS_OFF] + (int64_t)(s) * (h)->p[P_SLOT_SIZE] + (h)->p[f]))
 #define C(h, i) ((h)->c[(h)->p[i]])
 

@@ -117,6 +117,9 @@ def open_mutex(mm):
     return reference_mutex(mm)
 
 
+SPIN_TRIES = 200      # tries of a busy mutex before sleeping on it (see PoolLock._wait)
+
+
 class PoolLock:
     """Reentrant inter-process lock over one pool, with a dirty mark.
 
@@ -164,8 +167,19 @@ class PoolLock:
         return self
 
     def _wait(self) -> None:
+        # NOTE: spin first, as the fused C calls do: a hold is a few
+        # microseconds, while sleeping in futex() and being woken costs tens
+        # of them and lets a convoy form. Bounded (SPIN_TRIES, about 20 µs):
+        # the holder may be descheduled, or a thread of this process that
+        # needs the GIL we hold. The spin counts as waiting (wait_log,
+        # C_LOCK_WAIT_NS).
         t0 = time.perf_counter_ns()
-        self.native.lock()
+        trylock = self.native.trylock
+        for _ in range(SPIN_TRIES):
+            if trylock() >= 0:
+                break
+        else:
+            self.native.lock()
         waited = time.perf_counter_ns() - t0
         if self.wait_log is not None:
             self.wait_log.append(waited)

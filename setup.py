@@ -56,7 +56,10 @@ def _mlxbuf():
 
 setup(ext_modules=[
     Extension("shmcache._hot", ["shmcache/_native/hot.c"],
-              depends=["shmcache/_native/hot_mutex.h"],
+              depends=["shmcache/_native/hot_params.h", "shmcache/_native/hot_mutex.h",
+                       "shmcache/_native/hot_localmap.h", "shmcache/_native/hot_loose.h",
+                       "shmcache/_native/hot_tables.h", "shmcache/_native/hot_append.h",
+                       "shmcache/_native/hot_index.h"],
               optional=not sys.platform.startswith("linux"), extra_compile_args=_FLAGS),
     *_mlxbuf(),
 ])

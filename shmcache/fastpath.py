@@ -6,7 +6,7 @@ the free list's front, one id per block in the slot's loose list, release
 to the front or back of the queue), with the shared memoryviews bound to
 locals and the per-block calls inlined: they are what a scheduler calls on
 every step, and in Python a call costs as much as the work. ``_hot``
-(``_native/hot.c``) does the same in C.
+(``_native/hot_loose.h``) does the same in C.
 
 NOTE: crash consistency is the same as the primitives': a slot's loose list
 changes only by its owner, and a dead owner's list is released whole;
@@ -34,8 +34,8 @@ def alloc_loose(mgr, n: int) -> list:
     cnt = s_count[s]
     nch = p.layout.num_chunks
     need = -(-(cnt + n) // CI) - -(-cnt // CI)
-    # read-only walk first (as hot.c's): every block and chunk id read from
-    # shared memory in range, or nothing changes
+    # read-only walk first (as hot_loose.h's): every block and chunk id
+    # read from shared memory in range, or nothing changes
     b = nxt[HEAD]
     for i in range(n):
         if not 0 < b < HEAD:

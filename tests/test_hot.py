@@ -1,6 +1,7 @@
-"""The fused C paths (shmcache/_native/hot.c: allocate/free, with fastpath.py
-where it is not loaded; and the table ops and prefix lookup a request's life
-calls, with the Python path of tables.py and prefix.py).
+"""The fused C paths (shmcache/_native/hot_loose.h: allocate/free, with
+fastpath.py where it is not loaded; and hot_tables.h, hot_append.h,
+hot_index.h: the table ops and prefix lookup a request's life calls, with
+the Python path of tables.py and prefix.py).
 
 Over corrupt shared state: every index they read from shared memory is
 checked before use. One out of range gives up the fast path; the Python

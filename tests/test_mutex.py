@@ -1,5 +1,5 @@
 """The pool mutex (shmcache.lock, shmcache.platform_linux,
-shmcache/_native/hot.c) and the C fast paths.
+shmcache/_native/hot_mutex.h) and the C fast paths.
 
 The C accelerator and the ctypes fallback drive the same robust mutex, so
 they must exclude each other across processes; a holder's death must hand

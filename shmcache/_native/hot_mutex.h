@@ -1,10 +1,7 @@
 /* shmcache/_native/hot_mutex.h: the pool mutex, and how shmcache._hot's fused
- * ops take it. Included by hot.c only; it includes Python.h itself, first,
- * so that it also compiles on its own.
- *
- * Hot is the Python object: a writable buffer over the pool's mapping and
- * the offsets (a tuple of ints, in the order of the P_ enum) of the mutex,
- * the counters and every field the fused ops touch (see layout.py).
+ * ops take it. Included by hot.c and the hot_*.h headers of the fused ops;
+ * it includes hot_params.h (the Hot object, the offsets of the mutex and
+ * the counters) first, so that it also compiles on its own.
  *
  * The pool lock is a process-shared *robust* pthread mutex that lives in the
  * pool header (layout.MUTEX_OFF): locking it costs no system call when it is
@@ -20,71 +17,22 @@
 #ifndef SHMCACHE_HOT_MUTEX_H
 #define SHMCACHE_HOT_MUTEX_H
 
-#ifndef PY_SSIZE_T_CLEAN
-#define PY_SSIZE_T_CLEAN
-#endif
-#include <Python.h>     /* before any system header, as Python requires */
+#include "hot_params.h"    /* first: it includes Python.h */
 
 #include <errno.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <time.h>
 #include <signal.h>
+#include <sys/syscall.h>
 #include <sys/types.h>
-
-/* The parameters Hot() takes, in this order (a tuple of ints). */
-enum {
-    P_MUTEX_OFF, P_COUNTERS_OFF,
-    P_BLOCKS_OFF, P_BLOCK_SIZE, P_B_REF, P_B_PREV, P_B_NEXT, P_B_FLAGS, P_B_TOK, P_B_LAST,
-    P_REFS_OFF, P_REF_SIZE, P_R_BLOCK, P_R_NEXT,
-    P_SLOTS_OFF, P_SLOT_SIZE, P_S_HEAD, P_S_COUNT,
-    P_MAX_BLOCKS, P_MAX_SLOTS, P_FLAG_CACHED,
-    P_C_DIRTY, P_C_NUM_FREE, P_C_FREE_REF, P_C_FREE_REFS, P_C_OPS, P_C_EPOCH, P_C_HOLDER,
-    P_TABLES_OFF, P_TABLE_SIZE, P_T_STATE, P_T_HEAD, P_T_TAIL, P_T_LEN, P_T_TOK,
-    P_MAX_TABLES, P_C_NUM_TABLES, P_HASH_OFF, P_HASH_CAP, P_B_HASH,
-    P_TINDEX_OFF, P_TINDEX_CAP, P_T_RID, P_RID_BYTES, P_T_RHASH, P_T_OWNER,
-    P_COUNT
-};
-
-typedef struct {
-    PyObject_HEAD
-    Py_buffer view;
-    int has_view;
-    char *base;
-    pthread_mutex_t *mutex;
-    int64_t *c;
-    Py_ssize_t p[P_COUNT];
-    double created_at;
-} Hot;
+#include <unistd.h>
 
 #define FENCE() __atomic_thread_fence(__ATOMIC_SEQ_CST)
-#define BF(h, b, f, T) (*(T *)((h)->base + (h)->p[P_BLOCKS_OFF] + (int64_t)(b) * (h)->p[P_BLOCK_SIZE] + (h)->p[f]))
-#define REF(h, b) BF(h, b, P_B_REF, int32_t)
-#define PREV(h, b) BF(h, b, P_B_PREV, int32_t)
-#define NEXT(h, b) BF(h, b, P_B_NEXT, int32_t)
-#define FLAGS(h, b) BF(h, b, P_B_FLAGS, uint16_t)
-#define TOK(h, b) BF(h, b, P_B_TOK, uint16_t)
-#define LAST(h, b) BF(h, b, P_B_LAST, float)
-#define RF(h, r, f) (*(int32_t *)((h)->base + (h)->p[P_REFS_OFF] + (int64_t)(r) * (h)->p[P_REF_SIZE] + (h)->p[f]))
-#define RBLOCK(h, r) RF(h, r, P_R_BLOCK)
-#define RNEXT(h, r) RF(h, r, P_R_NEXT)
-#define TF(h, t, f) (*(int32_t *)((h)->base + (h)->p[P_TABLES_OFF] + (int64_t)(t) * (h)->p[P_TABLE_SIZE] + (h)->p[f]))
-#define SF(h, s, f) (*(int32_t *)((h)->base + (h)->p[P_SLOTS_OFF] + (int64_t)(s) * (h)->p[P_SLOT_SIZE] + (h)->p[f]))
-#define C(h, i) ((h)->c[(h)->p[i]])
-
-static int
-hot_ready(Hot *h)
-{
-    if (!h->has_view) {
-        PyErr_SetString(PyExc_ValueError, "pool mapping already released");
-        return 0;
-    }
-    return 1;
-}
 
 /* ------------------------------------------------------------- the mutex */
 
-static PyObject *
+static HOT_UNUSED PyObject *
 Hot_init_mutex(Hot *self, PyObject *unused)
 {
     pthread_mutexattr_t a;
@@ -106,7 +54,7 @@ Hot_init_mutex(Hot *self, PyObject *unused)
 /* Taken from a holder that died: make the mutex usable again and mark the
  * pool dirty, so that whoever holds it next repairs (and reclaims the dead
  * holder's references) whether or not it died mid-update. */
-static void
+static HOT_UNUSED void
 owner_died(Hot *h)
 {
     pthread_mutex_consistent(h->mutex);
@@ -115,7 +63,7 @@ owner_died(Hot *h)
 }
 
 /* 0: locked; 1: locked, the previous holder died holding it; -1: busy. */
-static int
+static HOT_UNUSED int
 try_lock(Hot *h)
 {
     int e = pthread_mutex_trylock(h->mutex);
@@ -128,7 +76,7 @@ try_lock(Hot *h)
     return -1;
 }
 
-static PyObject *
+static HOT_UNUSED PyObject *
 Hot_trylock(Hot *self, PyObject *unused)
 {
     if (!hot_ready(self))
@@ -170,7 +118,7 @@ Hot_trylock(Hot *self, PyObject *unused)
  * The thread id is in our pid namespace: a pool shared across pid
  * namespaces is not supported. glibc keeps the lock word first in
  * pthread_mutex_t on Linux. */
-static void
+static HOT_UNUSED void
 owner_vanished(pthread_mutex_t *m, uint32_t w)
 {
     uint32_t tid = w & W_TID_MASK;
@@ -182,7 +130,7 @@ owner_vanished(pthread_mutex_t *m, uint32_t w)
                                 __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
 }
 
-static int
+static HOT_UNUSED int
 lock_bounded(pthread_mutex_t *m, long *slices)
 {
     uint32_t last = 0;
@@ -213,7 +161,7 @@ lock_bounded(pthread_mutex_t *m, long *slices)
 
 static long lock_slices_expired;   /* this process's count, for tests */
 
-static PyObject *
+static HOT_UNUSED PyObject *
 Hot_lock(Hot *self, PyObject *unused)
 {
     int e;
@@ -230,13 +178,13 @@ Hot_lock(Hot *self, PyObject *unused)
     return PyErr_SetFromErrno(PyExc_OSError);
 }
 
-static PyObject *
+static HOT_UNUSED PyObject *
 Hot_lock_slices(Hot *self, PyObject *unused)
 {
     return PyLong_FromLong(lock_slices_expired);
 }
 
-static PyObject *
+static HOT_UNUSED PyObject *
 Hot_unlock(Hot *self, PyObject *unused)
 {
     int e;
@@ -265,7 +213,7 @@ cpu_relax(void)
  * short spin usually gets it: far cheaper than the slow path's sleep in
  * futex() and wake-up. Bounded (a few tens of microseconds): the holder may
  * be a thread of this process waiting for the GIL we hold. */
-static int
+static HOT_UNUSED int
 spin_lock(Hot *h)
 {
     int st = try_lock(h);
@@ -279,7 +227,7 @@ spin_lock(Hot *h)
 
 /* Take the lock for a fused op; 0 if the op may go on (lock held, pool
  * clean, the manager's view current), -1 (lock not held) otherwise. */
-static int
+static HOT_UNUSED int
 enter(Hot *h, long long epoch, int slot)
 {
     if (spin_lock(h) < 0)
@@ -292,7 +240,7 @@ enter(Hot *h, long long epoch, int slot)
     return 0;
 }
 
-static void
+static HOT_UNUSED void
 leave(Hot *h, int changed)
 {
     C(h, P_C_OPS) += 1;
@@ -303,11 +251,21 @@ leave(Hot *h, int changed)
     pthread_mutex_unlock(h->mutex);
 }
 
-static void
+static HOT_UNUSED void
 begin_update(Hot *h)
 {
     C(h, P_C_DIRTY) = 1;
     FENCE();
+}
+
+/* Whether this thread holds the pool mutex (the lock word names it: glibc
+ * keeps the word first in pthread_mutex_t on Linux, see owner_vanished).
+ * The lock-held table ops check it: their caller took the lock. */
+static HOT_UNUSED int
+held_here(Hot *h)
+{
+    uint32_t w = __atomic_load_n((uint32_t *)h->mutex, __ATOMIC_RELAXED);
+    return (w & W_TID_MASK) == (uint32_t)syscall(SYS_gettid);
 }
 
 #endif

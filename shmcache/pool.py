@@ -201,10 +201,6 @@ class Pool(SlotOps):
                                 lay.max_tables, self.corrupt, "table index")
         self.HEAD = lay.max_blocks
         self.TAIL = lay.max_blocks + 1
-        # the views the fused hot paths (fastpath) bind in one load
-        self.hot = (self.b_next, self.b_prev, self.b_ref, self.b_flags, self.b_tok, self.b_last,
-                    self.b_gen, self.kw, self.c, self.s_head, self.s_count,
-                    self.HEAD, self.TAIL)
         h = self.header[0]
         self.created_at = float(h["created_at"])
         self.seed = bytes(h["seed"])
@@ -336,7 +332,7 @@ class Pool(SlotOps):
         for k in list(vars(self)):
             if k.startswith(("b_", "t_", "s_")) or k in (
                     "c", "raw", "header", "counters", "slots", "blocks", "hidx", "chunks",
-                    "kw", "kmat", "tables", "tidx", "arena", "hindex", "tindex", "hhome", "hot"):
+                    "kw", "kmat", "tables", "tidx", "arena", "hindex", "tindex", "hhome"):
                 setattr(self, k, None)
         self.native.release()
         try:

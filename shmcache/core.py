@@ -240,7 +240,7 @@ class PoolOps:
         found in no map is looked for once more in maps all read afresh (a
         copy-on-write rewrites an id in place).
         """
-        if self._refs.loose.get(b):
+        if self._refs.loose.count(b):
             return True
         return self._in_own_table(b, 1) or self._in_own_table(b, 2)
 
@@ -249,7 +249,7 @@ class PoolOps:
         for a loose reference or a table map that is still current (False
         means "ask ``_holds``")."""
         return (self._epoch == self._p.c[L.C_EPOCH]
-                and (bool(self._refs.loose.get(b)) or self._in_own_table(b, 0)))
+                and (self._refs.loose.count(b) > 0 or self._in_own_table(b, 0)))
 
     def _in_own_table(self, b: int, read: int) -> bool:
         # read: 0 maps as they are (a changed table is skipped), 1 re-read
@@ -324,7 +324,7 @@ class PoolOps:
                 else:
                     added.append(b)
             removed = [b for b, k in have.items() for _ in range(k)]
-            avail = {b: len(refs.loose.get(b, ())) for b in added}
+            avail = {b: refs.loose.count(b) for b in added}
             fresh = 0
             for b in added:
                 if avail[b]:
@@ -333,7 +333,7 @@ class PoolOps:
                     fresh += 1
             refs.need_chunks(refs.table_chunks_needed(t, max(0, len(new) - len(cur)))
                              + refs.loose_chunks_needed(fresh + len(removed)))
-            avail = {b: len(refs.loose.get(b, ())) for b in added}
+            avail = {b: refs.loose.count(b) for b in added}
             for b in added:
                 if avail[b]:
                     avail[b] -= 1
@@ -373,7 +373,7 @@ class PoolOps:
         moved: dict = {}
         for b in ids:
             moved[b] = moved.get(b, 0) + 1
-        avail = {b: len(refs.loose.get(b, ())) for b in moved}
+        avail = {b: refs.loose.count(b) for b in moved}
         fresh = sum(max(0, k - avail[b]) for b, k in moved.items())
         # (fresh references pass through this slot's loose list)
         refs.need_chunks(refs.table_chunks_needed(t, len(ids)) + refs.loose_chunks_needed(fresh))

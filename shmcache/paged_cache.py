@@ -136,7 +136,7 @@ class PagedCacheManager(TableOps, PrefixOps, KVOps, AdminOps):
         # view, cached blocks to evict, an error to raise).
         p = self._p
         try:
-            return op(arg, p.slot, self._epoch, self._refs.loose)
+            return op(arg, p.slot, self._epoch, self._refs.loose.buf)
         except MemoryError:
             with p.lock:
                 self._refs.resync()     # the op committed; the local map did not
@@ -223,7 +223,7 @@ class PagedCacheManager(TableOps, PrefixOps, KVOps, AdminOps):
         with p.lock:
             self._sync()
             loose = self._refs.loose
-            if len(set(ids)) != len(ids) or not all(b in loose for b in ids):
+            if len(set(ids)) != len(ids) or not all(loose.count(b) for b in ids):
                 self._check_batch_free(ids)
             free_loose(self, ids)
 
@@ -234,7 +234,7 @@ class PagedCacheManager(TableOps, PrefixOps, KVOps, AdminOps):
                 raise ValueError("cannot free the null block (block 0)")
             need[b] = need.get(b, 0) + 1
         for b, k in need.items():
-            held = len(self._refs.loose.get(b, ()))
+            held = self._refs.loose.count(b)
             if held < k:
                 raise ValueError(f"double free of block {b}: freed {k} times, this manager "
                                  f"holds {held} loose references")

@@ -32,8 +32,9 @@ list is checked before it is used (``chunks.ChunkArea``: ``chain``,
 (``Pool.corrupt``). Positions are words of the chunk area (``chunks``).
 
 The owning manager keeps a process-local map block_id -> the words of its
-loose ids, only to find its own ids in O(1); it is rebuilt from shared memory
-whenever it could be stale, and never consulted by anyone else.
+loose ids (``loosemap.LooseMap``, an array the C path shares), only to find
+its own ids in O(1); it is rebuilt from shared memory whenever it could be
+stale, and never consulted by anyone else.
 
 Also here: a request id's key in the table index (``rid_key``) and taking
 a table out of the live tables (``unlink_table``).
@@ -44,6 +45,7 @@ from __future__ import annotations
 from .blocks import chain_hash
 from .chunks import CI, CW, ChunkArea, chunks_for
 from .layout import C_NUM_TABLES, RID_BYTES
+from .loosemap import LooseMap
 
 
 def rid_key(request_id) -> tuple:
@@ -81,7 +83,8 @@ class RefStore(ChunkArea):
 
     def __init__(self, pool) -> None:
         super().__init__(pool)
-        self.loose: dict = {}      # block_id -> [words] of this slot
+        lay = pool.layout
+        self.loose = LooseMap(lay.max_blocks, lay.num_chunks * CW)
 
     # ---- room: checked before any commit -----------------------------------
     def loose_chunks_needed(self, n: int) -> int:
@@ -131,40 +134,37 @@ class RefStore(ChunkArea):
             g = h * CW + 1 + off
             w[g] = block_id
         p.s_count[s] = cnt + 1       # commit
-        self.loose.setdefault(block_id, []).append(g)
+        self.loose.push(block_id, g)
 
     def holds_loose(self, block_id: int) -> bool:
-        return bool(self.loose.get(block_id))
+        return self.loose.count(block_id) > 0
 
     def drop_loose(self, block_id: int) -> None:
         """Drop one loose reference of this slot to ``block_id`` (caller checked)."""
         p, s = self.p, self.p.slot
         w = p.kw
-        recs = self.loose[block_id]
-        g = recs[-1]
+        lm = self.loose
+        g = lm.top(block_id)
         cnt = p.s_count[s]
         h = self._check_chunk(p.s_head[s], f"slot {s}'s loose list head")
         if cnt < 1 or not 0 <= g < len(w) or not g % CW or w[g] != block_id:
             raise p.corrupt(f"slot {s}'s loose list does not hold block {block_id} at word "
                             f"{g} (count {cnt})")
         last = h * CW + 1 + (cnt - 1) % CI
-        lst = None
+        bl = None
         if g != last:
-            bl = w[last]
-            lst = self.loose.get(bl)
-            if not lst or last not in lst:
+            bl = int(w[last])
+            if not lm.has_word(bl, last):
                 raise p.corrupt(f"slot {s}'s newest loose id (word {last}, block {bl}) is not "
                                 "among the references this manager holds")
         nh = w[h * CW]
         if (cnt - 1) % CI == 0 and not (nh == -1 if cnt == 1 else 0 <= nh < p.layout.num_chunks):
             raise p.corrupt(f"slot {s}'s loose list: chunk {h} links to {nh}")
-        recs.pop()
-        if not recs:
-            del self.loose[block_id]
-        if lst is not None:
+        lm.pop(block_id)
+        if bl is not None:
             # Move the newest id into g, then drop the newest: O(1) removal.
             w[g] = bl
-            lst[lst.index(last)] = g
+            lm.move(bl, last, g)
         p.s_count[s] = cnt - 1
         if (cnt - 1) % CI == 0:
             p.s_head[s] = nh
@@ -186,14 +186,13 @@ class RefStore(ChunkArea):
 
     def resync(self) -> None:
         p = self.p
-        self.loose = {}
+        self.loose.clear()
         if p.slot < 0:
             return
-        loose = {}
         words = self.slot_words(p.slot)
-        for g, b in zip(words, self.blocks_at(words, "slot {}'s loose list", p.slot)):
-            loose.setdefault(b, []).append(g)
-        self.loose = loose
+        blocks = self.blocks_at(words, "slot {}'s loose list", p.slot)
+        for g, b in zip(words, blocks):
+            self.loose.push(b, g)
 
     # ---- table lists --------------------------------------------------------
     def table_chain(self, t: int) -> list:

@@ -39,7 +39,7 @@ def snapshot(m):
     hdr = bytes(p.mm[:L.MUTEX_OFF]) + bytes(p.mm[L.MUTEX_OFF + L.MUTEX_BYTES:lay.counters_off])
     return (hdr, c.tobytes(),
             bytes(p.mm[lay.slots_off:lay.arena_off]),
-            {k: list(v) for k, v in m._refs.loose.items()})
+            m._refs.loose.buf.tobytes())
 
 
 def unchanged(m, before) -> None:

@@ -202,7 +202,7 @@ class Server:
         if kind == "ref_chunk":
             # take a chunk, write a held block into it and bump the block's
             # count, die before linking the chunk anywhere
-            b = next(iter(m._refs.loose))
+            b = m._refs.loose.blocks()[0]
             c = m._refs._new_chunk()
             p.kw[c * L.CHUNK_WORDS + 1] = b
             p.b_ref[b] += 1

@@ -74,10 +74,10 @@ SCENARIO = """
         p.s_head[p.slot] = 10**6
         op = lambda: m.free_block(held[0].block_id)
     elif kind == "local word":
-        m._refs.loose[held[0].block_id] = [10**6]
+        m._refs.loose._top[held[0].block_id] = 10**6 + 1   # (a link is word + 1)
         op = lambda: m.free_block(held[0].block_id)
     elif kind == "slot word":
-        g = m._refs.loose[held[0].block_id][0]
+        g = m._refs.loose.top(held[0].block_id)
         p.kw[g] = held[1].block_id
         op = lambda: m.free_block(held[0].block_id)
     elif kind == "slot chunk link":
@@ -186,9 +186,9 @@ def test_alloc_checks_the_count_before_sizing_anything():
     m = shmcache.PagedCacheManager(block_size=4, max_blocks=32)
     try:
         p = m._p
-        assert p.native.alloc(2**40, p.slot, m._epoch, m._refs.loose) is None
-        assert p.native.alloc(32, p.slot, m._epoch, m._refs.loose) is None
-        assert len(p.native.alloc(31, p.slot, m._epoch, m._refs.loose)) == 31
+        assert p.native.alloc(2**40, p.slot, m._epoch, m._refs.loose.buf) is None
+        assert p.native.alloc(32, p.slot, m._epoch, m._refs.loose.buf) is None
+        assert len(p.native.alloc(31, p.slot, m._epoch, m._refs.loose.buf)) == 31
         with pytest.raises(ValueError):
             p.native.set_chunks(10**12, 36, 15)  # more chunks than the mapping holds
         assert m.check() == []
@@ -221,7 +221,7 @@ def _shared_state(m):
             b["flags"].tobytes(), b["token_count"].tobytes(), b["gen"].tobytes(),
             b["hash"].tobytes(), p.chunks.tobytes(), p.slots["loose_head"].tobytes(),
             p.slots["loose_count"].tobytes(), c.tobytes(), p.tables.tobytes(),
-            p.tidx.tobytes(), p.hidx.tobytes(), {k: list(v) for k, v in m._refs.loose.items()})
+            p.tidx.tobytes(), p.hidx.tobytes(), m._refs.loose.buf.tobytes())
 
 
 def _serve(m, seed: int) -> list:

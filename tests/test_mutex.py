@@ -157,7 +157,7 @@ def test_released_mapping_is_refused_not_touched(make_pool):
     with pytest.raises(ValueError, match="released"):
         h.trylock()
     with pytest.raises(ValueError, match="released"):
-        h.alloc(1, mgr._p.slot, mgr._epoch, mgr._refs.loose)
+        h.alloc(1, mgr._p.slot, mgr._epoch, mgr._refs.loose.buf)
 
 
 def _state(m):
@@ -171,7 +171,7 @@ def _state(m):
             b["flags"].tobytes(), b["token_count"].tobytes(), b["gen"].tobytes(),
             p.chunks.tobytes(),
             p.slots["loose_head"].tobytes(), p.slots["loose_count"].tobytes(), c.tobytes(),
-            {k: list(v) for k, v in m._refs.loose.items()})
+            m._refs.loose.buf.tobytes())
 
 
 def _drive(m, seed: int) -> list:
@@ -249,22 +249,22 @@ def test_the_c_fast_path_refuses_a_stale_view_and_a_dirty_pool(make_pool):
     mgr = make_pool(max_blocks=16)
     nat, p = mgr._p.native, mgr._p
     before = p.counters.copy()
-    assert nat.alloc(1, p.slot, mgr._epoch + 1, mgr._refs.loose) is None   # stale epoch
+    assert nat.alloc(1, p.slot, mgr._epoch + 1, mgr._refs.loose.buf) is None   # stale epoch
     p.c[L.C_DIRTY] = 1
-    assert nat.alloc(1, p.slot, mgr._epoch, mgr._refs.loose) is None       # dirty
-    assert nat.free([1], p.slot, mgr._epoch, mgr._refs.loose) is None
+    assert nat.alloc(1, p.slot, mgr._epoch, mgr._refs.loose.buf) is None       # dirty
+    assert nat.free([1], p.slot, mgr._epoch, mgr._refs.loose.buf) is None
     p.c[L.C_DIRTY] = 0
     after = p.counters.copy()
     before[L.C_OPS] = after[L.C_OPS] = 0
-    assert (before == after).all() and mgr._refs.loose == {}
+    assert (before == after).all() and len(mgr._refs.loose) == 0
     # not held loose (as many times as listed): None, and nothing changes
-    got = nat.alloc(2, p.slot, mgr._epoch, mgr._refs.loose)
-    assert len(got) == 2 and sorted(mgr._refs.loose) == sorted(got)
+    got = nat.alloc(2, p.slot, mgr._epoch, mgr._refs.loose.buf)
+    assert len(got) == 2 and mgr._refs.loose.blocks() == sorted(got)
     for bad in ([got[0], got[0]], [got[0], 0], [got[0], 99], [got[0], True], [got[0], 7]):
-        assert nat.free(bad, p.slot, mgr._epoch, mgr._refs.loose) is None, bad
-    assert mgr.check() == [] and sorted(mgr._refs.loose) == sorted(got)
-    assert nat.free(got, p.slot, mgr._epoch, mgr._refs.loose) == 2
-    assert mgr._refs.loose == {} and mgr.free_blocks == 15 and mgr.check() == []
+        assert nat.free(bad, p.slot, mgr._epoch, mgr._refs.loose.buf) is None, bad
+    assert mgr.check() == [] and mgr._refs.loose.blocks() == sorted(got)
+    assert nat.free(got, p.slot, mgr._epoch, mgr._refs.loose.buf) == 2
+    assert len(mgr._refs.loose) == 0 and mgr.free_blocks == 15 and mgr.check() == []
 
 
 # ----------------------------------------------------------------- lost wake-ups

@@ -461,7 +461,7 @@ def test_repair_cuts_a_list_at_an_id_naming_no_block(manager):
     loose = manager.get_new_blocks(2)
     words = manager._refs.table_words(manager._table_index(t))
     p.kw[words[1]] = 10**6                          # names no block
-    p.kw[manager._refs.loose[loose[0].block_id][0]] = -3
+    p.kw[manager._refs.loose.top(loose[0].block_id)] = -3
     p.c[L.C_DIRTY] = 1                              # as a holder dying mid-update leaves it
     assert manager.check() == []                    # repaired on taking the lock
     assert len(t.block_ids) == 1 and manager._p.s_count[p.slot] == 1

@@ -178,7 +178,7 @@ def test_lists_span_chunks_and_stay_consistent(manager):
     for _ in range(26):
         t.block_ids.pop()
     assert len(t) == 14 and m.check() == []
-    m.free_block_batch([b for b, g in m._refs.loose.items() for _ in g])   # the popped ones
+    m.free_block_batch([b for b, g in m._refs.loose.as_dict().items() for _ in g])   # the popped ones
     m.delete_block_table("t")
     m.delete_block_table("f")
     assert m.free_blocks == 31 and m.check() == []

@@ -101,7 +101,7 @@ class PoolMachine(RuleBasedStateMachine):
                 sorted((r, t.block_ids, t.num_tokens) for r, t in m.request_tables.items()),
                 sorted(m._index.cached_ids()), p.blocks["token_count"][:N].tolist(),
                 repr(s),
-                {b: len(r) for b, r in m._refs.loose.items()})
+                {b: len(r) for b, r in m._refs.loose.as_dict().items()})
 
     def unchanged(self, fn, exc, *args):
         before = self.snapshot()
@@ -392,7 +392,7 @@ class PoolMachine(RuleBasedStateMachine):
             assert mt.block_ids == t["blocks"] and mt.num_tokens == t["tok"], rid
             assert len(mt) == len(t["blocks"])
         assert sorted(m._index.cached_ids()) == sorted(self.cached)
-        assert {b: len(r) for b, r in m._refs.loose.items()} == dict(self.loose)
+        assert {b: len(r) for b, r in m._refs.loose.as_dict().items()} == dict(self.loose)
         alloc = [b for b in range(N) if self.ref[b] > 0]
         assert [p.blocks["token_count"][b] for b in alloc] == [self.tok[b] for b in alloc]
         s = m.get_stats()

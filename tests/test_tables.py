@@ -282,7 +282,7 @@ def test_acquire_into_a_table_is_acquire_then_add(make_pool):
             for b in got:
                 m.add_block_to_table(t, b, m.block_size)
         assert n == 12 and [b.block_id for b in got] == ids
-        assert not m._refs.loose, "a reference was left loose"
+        assert len(m._refs.loose) == 0, "a reference was left loose"
         assert m.check() == []
         states.append(_logical(m, t))
     assert states[0] == states[1]

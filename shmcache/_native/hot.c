@@ -8,7 +8,8 @@
  * the rest is in headers it includes, one role each:
  *   hot_params.h    the Hot object's layout and the pool fields it reaches;
  *   hot_mutex.h     the robust pool mutex, and how a fused op takes it;
- *   hot_localmap.h  the process-local map of a slot's loose references;
+ *   hot_localmap.h  the process-local map of a slot's loose references
+ *                   (loosemap.py's int32 array, shared with numpy);
  *   hot_loose.h     alloc() and free(): fused, they take the lock themselves
  *                   and only ever try it (None: the slow path runs);
  *   hot_tables.h    table_new(), table_drop(), and the checks of the table

@@ -1,12 +1,17 @@
 /* shmcache/_native/hot_localmap.h: the process-local map of a slot's loose
- * references, as alloc() and free() (hot_loose.h) read and extend it.
+ * references, as alloc() and free() (hot_loose.h) read and change it.
  *
- * The map is a dict owned by the manager (refs.py): block id -> list of the
- * chunk-area words (ints) where this slot's loose list names that block,
- * one per reference held. It is this process's alone, so it is read and
- * written without the pool lock (with the GIL held); the slot's list in
- * shared memory is the truth, and a caller that gets MemoryError from a
- * fused op rebuilds the map from it.
+ * The map is loosemap.LooseMap's int32 array, which the manager passes to
+ * each call (a writable buffer): per block a count and a link to its newest
+ * word, per chunk-area word the links to the next older and newer word of
+ * the same block (a link is word + 1; 0 is none). loosemap.py is the
+ * reference and holds the byte map; these functions do what its methods of
+ * the same names do. None of them allocates or can fail, so the fused ops
+ * apply them after committing the shared change.
+ *
+ * It is this process's alone: read and written without the pool lock (with
+ * the GIL held). The slot's list in shared memory is the truth; a stale map
+ * is rebuilt from it (refs.RefStore.resync).
  */
 #ifndef SHMCACHE_HOT_LOCALMAP_H
 #define SHMCACHE_HOT_LOCALMAP_H
@@ -15,60 +20,104 @@
 
 #include <stdint.h>
 
-/* Record, in the process-local map, that this slot now holds bs[i] at
- * word rs[i]; returns the list of block ids, or NULL (MemoryError). */
-static HOT_UNUSED PyObject *
-local_map_add(PyObject *loose, const int32_t *bs, const int64_t *rs, Py_ssize_t n)
+typedef struct {
+    int32_t *count, *top, *older, *newer;
+    int64_t nblocks, nwords;
+} LMap;
+
+/* View the buffer as the map of a pool of h's sizes: 0, or -1 with
+ * ValueError set when its size is not the one LooseMap gives them. */
+static HOT_UNUSED int
+lm_open(Hot *h, Py_buffer *v, LMap *m)
 {
-    PyObject *ids = PyList_New(n);
-    if (!ids)
-        return NULL;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *bo = PyLong_FromLong(bs[i]), *ro = PyLong_FromLongLong(rs[i]), *lst;
-        int err = -1;
-        if (bo && ro) {
-            lst = PyDict_GetItemWithError(loose, bo);
-            if (lst && PyList_CheckExact(lst))
-                err = PyList_Append(lst, ro);
-            else if (!lst && !PyErr_Occurred()) {
-                PyObject *nl = PyList_New(1);
-                if (nl) {
-                    Py_INCREF(ro);
-                    PyList_SET_ITEM(nl, 0, ro);
-                    err = PyDict_SetItem(loose, bo, nl);
-                    Py_DECREF(nl);
-                }
-            }
-        }
-        Py_XDECREF(ro);
-        if (err) {
-            Py_XDECREF(bo);
-            Py_DECREF(ids);
-            return NULL;
-        }
-        PyList_SET_ITEM(ids, i, bo);   /* steals bo */
+    int64_t b = h->p[P_MAX_BLOCKS], w = (int64_t)NCHUNKS(h) * CW;
+    if (v->len != (2 * b + 2 * w) * (Py_ssize_t)sizeof(int32_t) || v->readonly) {
+        PyErr_Format(PyExc_ValueError, "the loose map must be a writable int32 array of "
+                     "%lld items (2 * %lld blocks + 2 * %lld words), got %zd bytes",
+                     (long long)(2 * b + 2 * w), (long long)b, (long long)w, v->len);
+        return -1;
     }
-    return ids;
+    m->count = (int32_t *)v->buf;
+    m->top = m->count + b;
+    m->older = m->top + b;
+    m->newer = m->older + w;
+    m->nblocks = b;
+    m->nwords = w;
+    return 0;
 }
 
-/* Whether the map holds each id of sorted (n ids, ascending) at least as
- * many times as it is listed: 1 yes, 0 no, -1 an error is set. */
+/* The newest word naming b (-1: none). */
+static HOT_UNUSED int64_t
+lm_top(const LMap *m, int32_t b)
+{
+    return (int64_t)m->top[b] - 1;
+}
+
+/* Whether word is one of b's words, by its links (O(1)). */
 static HOT_UNUSED int
-local_map_holds(PyObject *loose, const int32_t *sorted, Py_ssize_t n)
+lm_has_word(const LMap *m, int32_t b, int64_t word)
+{
+    int64_t up;
+    if (b < 0 || b >= m->nblocks || word < 0 || word >= m->nwords || m->count[b] < 1)
+        return 0;
+    up = m->newer[word];
+    if (up == 0)
+        return m->top[b] == word + 1;
+    return up > 0 && up <= m->nwords && m->older[up - 1] == word + 1;
+}
+
+static HOT_UNUSED void
+lm_push(LMap *m, int32_t b, int64_t word)
+{
+    int32_t t = m->top[b];
+    m->older[word] = t;
+    m->newer[word] = 0;
+    if (t)
+        m->newer[t - 1] = (int32_t)(word + 1);
+    m->top[b] = (int32_t)(word + 1);
+    m->count[b] += 1;
+}
+
+/* Take b's newest word off its stack (the caller checked the count). */
+static HOT_UNUSED void
+lm_pop(LMap *m, int32_t b)
+{
+    int64_t word = (int64_t)m->top[b] - 1;
+    int32_t o = m->older[word];
+    m->top[b] = o;
+    if (o)
+        m->newer[o - 1] = 0;
+    m->older[word] = m->newer[word] = 0;
+    m->count[b] -= 1;
+}
+
+/* Put word nw in word old's place in b's stack (the caller checked
+ * lm_has_word(b, old); nw is in no stack). */
+static HOT_UNUSED void
+lm_move(LMap *m, int32_t b, int64_t old, int64_t nw)
+{
+    int32_t up = m->newer[old], down = m->older[old];
+    m->newer[nw] = up;
+    m->older[nw] = down;
+    if (up)
+        m->older[up - 1] = (int32_t)(nw + 1);
+    else
+        m->top[b] = (int32_t)(nw + 1);
+    if (down)
+        m->newer[down - 1] = (int32_t)(nw + 1);
+    m->older[old] = m->newer[old] = 0;
+}
+
+/* Whether the map holds each id of sorted (n ids, ascending, each in
+ * [1, nblocks)) at least as many times as it is listed. */
+static HOT_UNUSED int
+lm_holds(const LMap *m, const int32_t *sorted, Py_ssize_t n)
 {
     for (Py_ssize_t i = 0; i < n;) {
         Py_ssize_t j = i;
-        PyObject *key, *lst;
         while (j < n && sorted[j] == sorted[i])
             j++;
-        key = PyLong_FromLong(sorted[i]);
-        if (!key)
-            return -1;
-        lst = PyDict_GetItemWithError(loose, key);
-        Py_DECREF(key);
-        if (!lst && PyErr_Occurred())
-            return -1;
-        if (!lst || !PyList_CheckExact(lst) || PyList_GET_SIZE(lst) < j - i)
+        if (m->count[sorted[i]] < j - i)
             return 0;
         i = j;
     }

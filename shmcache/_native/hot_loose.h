@@ -36,32 +36,42 @@
 #include <time.h>
 
 /* alloc(n, slot, epoch, loose) -> list of n block ids, or None.
+ * loose is the manager's LooseMap array (hot_localmap.h).
  * The first n free blocks must be uncached (otherwise None: the slow path
  * evicts their cache entries), and the chunks the slot's loose list grows
  * by free (otherwise None: the slow path reports it).
- * NOTE: the shared update is pure C and cannot fail; the process-local map
- * is updated after the lock is released (only this thread can see it: we
- * hold the GIL, and the GC is off so that no finalizer runs in between).
- * Should that fail (MemoryError only), the caller rebuilds the map from
- * the slot's list, which is the truth. */
+ * NOTE: the shared update is pure C and cannot fail, and neither can the
+ * process-local map's, done after the lock is released (only this thread
+ * can see the map: we hold the GIL). Only building the returned list can
+ * (MemoryError); the caller then rebuilds the map from the slot's list. */
 static HOT_UNUSED PyObject *
 Hot_alloc(Hot *h, PyObject *args)
 {
     Py_ssize_t n, i;
-    int slot, gc;
+    int slot;
     long long epoch;
-    PyObject *loose, *ids;
+    Py_buffer lv;
+    LMap lm;
+    PyObject *ids = NULL;
     int32_t stack_b[64], stack_c[8], *bs = stack_b, *cs = stack_c;
     int64_t stack_g[64], *gs = stack_g;
 
-    if (!PyArg_ParseTuple(args, "niLO!", &n, &slot, &epoch, &PyDict_Type, &loose))
+    if (!PyArg_ParseTuple(args, "niLw*", &n, &slot, &epoch, &lv))
         return NULL;
-    if (!hot_ready(h))
+    if (!hot_ready(h)) {
+        PyBuffer_Release(&lv);
         return NULL;
+    }
     /* (more than the pool has: the slow path raises, before any allocation) */
     if (n <= 0 || n >= h->p[P_MAX_BLOCKS] || slot < 0 || slot >= h->p[P_MAX_SLOTS] ||
-        NCHUNKS(h) <= 0)
+        NCHUNKS(h) <= 0) {
+        PyBuffer_Release(&lv);
         Py_RETURN_NONE;
+    }
+    if (lm_open(h, &lv, &lm) < 0) {
+        PyBuffer_Release(&lv);
+        return NULL;
+    }
     if (n > 64) {
         bs = PyMem_Malloc(n * sizeof(int32_t));
         gs = PyMem_Malloc(n * sizeof(int64_t));
@@ -70,6 +80,7 @@ Hot_alloc(Hot *h, PyObject *args)
             PyMem_Free(bs);
             PyMem_Free(gs);
             PyMem_Free(cs);
+            PyBuffer_Release(&lv);
             return PyErr_NoMemory();
         }
     }
@@ -151,27 +162,32 @@ Hot_alloc(Hot *h, PyObject *args)
         C(h, P_C_NUM_FREE) -= n;
         leave(h, 1);
     }
-    gc = PyGC_Disable();
-    ids = local_map_add(loose, bs, gs, n);
-    if (gc)
-        PyGC_Enable();
+    for (i = 0; i < n; i++)
+        lm_push(&lm, bs[i], gs[i]);
+    ids = PyList_New(n);
+    for (i = 0; ids && i < n; i++) {
+        PyObject *bo = PyLong_FromLong(bs[i]);
+        if (!bo)
+            Py_CLEAR(ids);
+        else
+            PyList_SET_ITEM(ids, i, bo);
+    }
     if (!ids) {
         PyErr_Clear();
         PyErr_SetString(PyExc_MemoryError, "loose-reference map must be resynced");
     }
-    if (bs != stack_b) {
-        PyMem_Free(bs);
-        PyMem_Free(gs);
-        PyMem_Free(cs);
-    }
-    return ids;
+    goto done;
 busy:
+    ids = Py_None;
+    Py_INCREF(ids);
+done:
     if (bs != stack_b) {
         PyMem_Free(bs);
         PyMem_Free(gs);
         PyMem_Free(cs);
     }
-    Py_RETURN_NONE;
+    PyBuffer_Release(&lv);
+    return ids;
 }
 
 /* free(ids, slot, epoch, loose) -> number of blocks that became free, or
@@ -181,32 +197,37 @@ busy:
 static HOT_UNUSED PyObject *
 Hot_free(Hot *h, PyObject *args)
 {
-    PyObject *seq, *loose, *fast = NULL, *result = NULL;
+    PyObject *seq, *fast = NULL, *result = NULL;
+    Py_buffer lv;
+    LMap lm;
     int slot;
     long long epoch;
-    int32_t stack_b[64], stack_s[64], *bs = stack_b, *sorted = NULL;
+    int32_t stack_b[64], stack_s[64], *bs = stack_b, *sorted = stack_s;
     Py_ssize_t n, i, freed = 0;
     int ok = 1;
 
-    if (!PyArg_ParseTuple(args, "OiLO!", &seq, &slot, &epoch, &PyDict_Type, &loose))
+    if (!PyArg_ParseTuple(args, "OiLw*", &seq, &slot, &epoch, &lv))
         return NULL;
     if (!hot_ready(h))
-        return NULL;
+        goto fail;
     if (slot < 0 || slot >= h->p[P_MAX_SLOTS] || NCHUNKS(h) <= 0)
-        Py_RETURN_NONE;
+        goto busy;
+    if (lm_open(h, &lv, &lm) < 0)
+        goto fail;
     fast = PySequence_Fast(seq, "ids must be a sequence");
     if (!fast)
-        return NULL;
+        goto fail;
     n = PySequence_Fast_GET_SIZE(fast);
     if (n == 0) {
-        Py_DECREF(fast);
-        return PyLong_FromLong(0);
+        result = PyLong_FromLong(0);
+        goto done;
     }
     if (n > 64) {
         bs = PyMem_Malloc(n * sizeof(int32_t));
-        if (!bs) {
-            Py_DECREF(fast);
-            return PyErr_NoMemory();
+        sorted = PyMem_Malloc(n * sizeof(int32_t));
+        if (!bs || !sorted) {
+            PyErr_NoMemory();
+            goto fail;
         }
     }
     for (i = 0; i < n && ok; i++) {
@@ -229,66 +250,35 @@ Hot_free(Hot *h, PyObject *args)
     /* every id held loose as many times as listed (sorted copy for counts);
      * before the lock: the map is this process's, and the epoch check below
      * confirms that it is current */
-    sorted = n > 64 ? PyMem_Malloc(n * sizeof(int32_t)) : stack_s;
-    if (!sorted) {
-        PyErr_NoMemory();
-        goto fail;
-    }
     memcpy(sorted, bs, n * sizeof(int32_t));
     if (n > 1)
         qsort(sorted, n, sizeof(int32_t), cmp_i32);
-    ok = local_map_holds(loose, sorted, n);
-    if (ok < 0)
-        goto fail;
-    if (!ok || enter(h, epoch, slot) < 0)
+    if (!lm_holds(&lm, sorted, n) || enter(h, epoch, slot) < 0)
         goto busy;
     {
         const int32_t HEAD = (int32_t)h->p[P_MAX_BLOCKS], TAIL = HEAD + 1;
         const uint16_t CACHED = (uint16_t)h->p[P_FLAG_CACHED];
         const int64_t NW = (int64_t)NCHUNKS(h) * CW;
         const Py_ssize_t CT = ((HotX *)h)->c_tokens;
-        int corrupt = 0, nomem = 0;
+        int corrupt = 0;
         begin_update(h);
         for (i = 0; i < n; i++) {
             int32_t b = bs[i], hd = SF(h, slot, P_S_HEAD), cnt = SF(h, slot, P_S_COUNT);
             int32_t bl = 0, x, nb, nh = -1;
-            int64_t last;
-            PyObject *bo = PySequence_Fast_GET_ITEM(fast, i), *recs, *go, *lst = NULL;
-            Py_ssize_t k, m, q = 0;
-            long g;
+            int64_t last, g;
             int cached = (FLAGS(h, b) & CACHED) != 0, empty;
             /* checks first: every index read from shared memory in range,
-             * and the map agreeing with the slot's list; then the change */
-            recs = PyDict_GetItem(loose, bo);   /* held: checked above */
-            k = PyList_GET_SIZE(recs);
-            go = PyList_GET_ITEM(recs, k - 1);
-            g = PyLong_AsLong(go);
+             * and the map agreeing with the slot's list; then the change
+             * (the count was checked above, and only this loop lowers it) */
+            g = lm_top(&lm, b);
             if (cnt < 1 || !IS_CHUNK(h, hd) || g < 0 || g >= NW || g % CW == 0 || W(h, g) != b) {
-                PyErr_Clear();
                 corrupt = 1;
                 break;
             }
             last = (int64_t)hd * CW + 1 + (cnt - 1) % CI;
             if (g != last) {
-                PyObject *blo;
                 bl = W(h, last);
-                blo = PyLong_FromLong(bl);
-                if (!blo) {
-                    nomem = 1;
-                    break;
-                }
-                lst = PyDict_GetItem(loose, blo);
-                Py_DECREF(blo);
-                if (!lst || !PyList_CheckExact(lst)) {
-                    corrupt = 1;
-                    break;
-                }
-                m = lst == recs ? k - 1 : PyList_GET_SIZE(lst);
-                for (q = 0; q < m; q++)
-                    if (PyLong_AsLong(PyList_GET_ITEM(lst, q)) == last)
-                        break;
-                PyErr_Clear();      /* (the map holds ints: never set) */
-                if (q == m) {
+                if (!lm_has_word(&lm, bl, last)) {
                     corrupt = 1;
                     break;
                 }
@@ -309,20 +299,12 @@ Hot_free(Hot *h, PyObject *args)
                     break;
                 }
             }
-            /* recs.pop(); if not recs: del loose[b]  (no allocation) */
-            Py_SET_SIZE(recs, k - 1);           /* we own go now */
+            lm_pop(&lm, b);
             if (g != last) {
-                /* move the newest id into g, then drop the newest: O(1)
-                 * removal (g's int object now names the moved id's word) */
-                PyObject *old = PyList_GET_ITEM(lst, q);
+                /* move the newest id into g, then drop the newest: O(1) removal */
                 W(h, g) = bl;
-                PyList_SET_ITEM(lst, q, go);    /* steals go */
-                Py_DECREF(old);
+                lm_move(&lm, bl, last, g);
             }
-            else
-                Py_DECREF(go);
-            if (k == 1)
-                PyDict_DelItem(loose, bo);
             SF(h, slot, P_S_COUNT) = cnt - 1;   /* commit: b's reference is gone */
             if (empty) {                        /* the first chunk is empty: free it */
                 SF(h, slot, P_S_HEAD) = nh;
@@ -358,24 +340,20 @@ Hot_free(Hot *h, PyObject *args)
             goto busy;
         }
         leave(h, 1);
-        ok = !nomem;
     }
-    result = ok ? PyLong_FromSsize_t(freed) : NULL;
-    if (!ok) {
-        PyErr_Clear();
-        PyErr_SetString(PyExc_MemoryError, "loose-reference map must be resynced");
-    }
+    result = PyLong_FromSsize_t(freed);
     goto done;
 busy:
     result = Py_None;
     Py_INCREF(result);
 fail:
 done:
-    Py_DECREF(fast);
+    Py_XDECREF(fast);
     if (sorted != stack_s)
         PyMem_Free(sorted);
     if (bs != stack_b)
         PyMem_Free(bs);
+    PyBuffer_Release(&lv);
     return result;
 }
 

@@ -1,15 +1,14 @@
-"""Pool segments in /dev/shm: permissions, sizing, names, lifetime."""
+"""Pool segments in /dev/shm (``shmcache.segment``): permissions, sizing,
+names, and segments another user planted or can write.
+
+Their lifetime is in ``test_segment_lifetime.py``, their creation (and
+attaching while one is being created) in ``test_segment_creation.py``.
+"""
 
 from __future__ import annotations
 
-import gc
 import os
-import signal
 import stat
-import subprocess
-import sys
-import textwrap
-import time
 
 import pytest
 
@@ -19,26 +18,12 @@ from shmcache import segment
 from shmcache.errors import InsufficientSharedMemoryError, PoolExistsError, PoolNotFoundError
 
 from conftest import new_name
-
-
-def shm_path(name: str) -> str:
-    return os.path.join("/dev/shm", "shmcache." + name)
-
-
-def private_names() -> list:
-    return [n for n in segment.list_names() if n.startswith(f"private-{os.getpid()}-")]
+from _shm import private_names, shm_path
 
 
 def shm_free() -> int:
     st = os.statvfs("/dev/shm")
     return st.f_bavail * st.f_frsize
-
-
-def run_py(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
-                          capture_output=True, text=True, timeout=timeout)
 
 
 # ------------------------------------------------------------------ permissions
@@ -111,172 +96,6 @@ def test_reservation_failure_is_a_clear_error_and_leaves_nothing(pool_name, monk
         shmcache.create_pool(pool_name, block_size=4, max_blocks=8)
     assert "bytes" in str(ei.value)
     assert pool_name not in segment.list_names()
-
-
-# ------------------------------------------------------------------ private pools
-def test_private_manager_leaves_nothing_in_dev_shm():
-    before = private_names()
-    m = shmcache.PagedCacheManager(block_size=4, max_blocks=16)
-    try:
-        b = m.allocate_block()
-        assert b is not None
-        assert private_names() == before          # even while open
-        assert not os.path.exists(shm_path(m.name))
-    finally:
-        m.close()
-    assert private_names() == before
-
-
-def test_private_manager_is_released_when_collected():
-    import weakref
-    m = shmcache.PagedCacheManager(block_size=4, max_blocks=16)
-    p = m._p
-    m.allocate_block()
-    w = weakref.ref(m)
-    del m
-    gc.collect()
-    assert w() is None          # nothing in the pool keeps its manager alive
-    assert p.closed
-
-
-def test_attached_manager_is_released_when_collected(make_pool):
-    m = make_pool()
-    other = shmcache.attach(m.name)
-    other.get_new_blocks(2)
-    t = other.create_block_table("r")
-    other.add_block_to_table(t, other.allocate_block(), 1)
-    assert m.free_blocks == 28
-    del other, t
-    gc.collect()
-    assert m.free_blocks == 31
-    assert len(m.request_tables) == 0
-    assert m.check() == []
-
-
-def test_private_manager_context_manager():
-    with shmcache.PagedCacheManager(block_size=4, max_blocks=16) as m:
-        m.allocate_block()
-        p = m._p
-    assert p.closed
-
-
-# ------------------------------------------------------------------ named pools
-def test_create_twice_raises_and_keeps_the_first(make_pool):
-    m = make_pool()
-    m.allocate_block()
-    with pytest.raises(PoolExistsError):
-        shmcache.create_pool(m.name, block_size=4, max_blocks=32)
-    assert m.free_blocks == 30 and m.check() == []
-    assert os.path.exists(shm_path(m.name))
-
-
-def test_context_manager_destroys_the_pool(pool_name):
-    with shmcache.create_pool(pool_name, block_size=4, max_blocks=8) as m:
-        assert os.path.exists(shm_path(pool_name))
-        m.allocate_block()
-    assert not os.path.exists(shm_path(pool_name))
-    with pytest.raises(PoolNotFoundError):
-        shmcache.attach(pool_name)
-
-
-def test_attached_manager_context_exit_does_not_destroy(make_pool):
-    m = make_pool()
-    with shmcache.attach(m.name) as other:
-        other.allocate_block()
-    assert os.path.exists(shm_path(m.name))
-    assert m.free_blocks == 31 and m.check() == []    # its block was released
-
-
-def test_creator_close_keeps_pool_destroy_unlinks(pool_name):
-    m = shmcache.create_pool(pool_name, block_size=4, max_blocks=8)
-    m.close()
-    assert os.path.exists(shm_path(pool_name))
-    m2 = shmcache.attach(pool_name)
-    assert m2.check() == []
-    m2.close()
-    assert shmcache.destroy(pool_name) is True
-    assert shmcache.destroy(pool_name) is False
-    assert not os.path.exists(shm_path(pool_name))
-
-
-def test_destroy_by_creator(pool_name):
-    m = shmcache.create_pool(pool_name, block_size=4, max_blocks=8)
-    m.destroy()
-    assert pool_name not in segment.list_names()
-
-
-def test_list_names_sees_named_pools(make_pool):
-    m = make_pool()
-    assert m.name in segment.list_names()
-    assert segment.path_for(m.name) == shm_path(m.name)
-
-
-# ------------------------------------------------------------------ other processes
-def test_pool_survives_an_attached_process_that_exits(make_pool):
-    m = make_pool()
-    r = run_py(f"""
-        import shmcache
-        m = shmcache.attach({m.name!r})
-        t = m.create_block_table("child")
-        m.add_block_to_table(t, m.allocate_block(), 4)
-        m.allocate_block()
-        m.close()
-        m2 = shmcache.attach({m.name!r})
-        m2.allocate_block()
-        # exit without closing m2
-    """)
-    assert r.returncode == 0, r.stderr
-    assert os.path.exists(shm_path(m.name))
-    m.reclaim_dead()   # the unclosed manager's block: released at its exit or now
-    assert m.free_blocks == 31
-    assert m.check() == []
-    other = shmcache.attach(m.name)     # still attachable
-    assert other.check() == []
-    other.close()
-
-
-def test_pool_survives_a_process_using_multiprocessing_then_exiting(make_pool):
-    # a child that also touches multiprocessing (and its resource tracker)
-    m = make_pool()
-    r = run_py(f"""
-        import multiprocessing.resource_tracker, shmcache
-        m = shmcache.attach({m.name!r})
-        m.get_new_blocks(2)
-        m.close()
-    """)
-    assert r.returncode == 0, r.stderr
-    assert os.path.exists(shm_path(m.name))
-    assert m.free_blocks == 31
-
-
-def test_pool_survives_a_killed_attached_process(make_pool):
-    m = make_pool()
-    r = run_py(f"""
-        import os, signal, shmcache
-        m = shmcache.attach({m.name!r})
-        m.get_new_blocks(3)
-        os.kill(os.getpid(), signal.SIGKILL)
-    """)
-    assert r.returncode == -signal.SIGKILL
-    assert os.path.exists(shm_path(m.name))
-    assert m.free_blocks == 28
-    assert m.reclaim_dead() == 3
-    assert m.free_blocks == 31 and m.check() == []
-
-
-def test_private_pool_not_visible_to_other_processes():
-    m = shmcache.PagedCacheManager(block_size=4, max_blocks=8)
-    try:
-        r = run_py(f"""
-            import shmcache
-            try:
-                shmcache.attach({m.name!r})
-            except shmcache.PoolNotFoundError:
-                print("notfound")
-        """)
-        assert r.stdout.strip() == "notfound", r.stderr
-    finally:
-        m.close()
 
 
 # ------------------------------------------------------------------ names
@@ -395,127 +214,3 @@ def test_symlink_is_refused(make_pool, pool_name):
             shmcache.attach(pool_name)
     finally:
         os.unlink(shm_path(pool_name))
-
-
-# ------------------------------------------------------------------ creation
-SLOW_CREATOR = """
-    import sys, time
-    import shmcache
-    from shmcache.pool import Pool
-    delay = float(sys.argv[2])
-    init = Pool._initialise
-    def slow(self):
-        print("creating", flush=True)
-        time.sleep(delay)
-        init(self)
-    Pool._initialise = slow
-    m = shmcache.create_pool(sys.argv[1], block_size=4, max_blocks=16)
-    m.allocate_block()
-    print("created", flush=True)
-    time.sleep(60)
-"""
-
-
-def _slow_creator(name: str, delay: float) -> subprocess.Popen:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(SLOW_CREATOR), name, str(delay)],
-                         env=env, stdout=subprocess.PIPE, text=True)
-    assert p.stdout.readline().strip() == "creating"
-    assert os.path.exists(shm_path(name))           # named while it is being initialised
-    return p
-
-
-def test_attach_during_creation_waits_for_the_creator(pool_name):
-    p = _slow_creator(pool_name, 1.5)
-    try:
-        t0 = time.monotonic()
-        m = shmcache.attach(pool_name, timeout=30)  # used to fail at once: "bad magic"
-        waited = time.monotonic() - t0
-        try:
-            assert waited > 0.5
-            assert m.check() == [] and m.free_blocks == 14   # the creator's block is held
-        finally:
-            m.close()
-    finally:
-        p.kill()
-        p.wait()
-        p.stdout.close()
-
-
-def test_attach_during_creation_gives_up_after_its_timeout(pool_name):
-    from shmcache.errors import IncompatiblePoolError
-    p = _slow_creator(pool_name, 30)
-    try:
-        t0 = time.monotonic()
-        with pytest.raises(IncompatiblePoolError, match="still being created"):
-            shmcache.attach(pool_name, timeout=0.3)
-        assert 0.25 < time.monotonic() - t0 < 10
-    finally:
-        p.kill()
-        p.wait()
-        p.stdout.close()
-
-
-def test_attach_after_the_creator_died_creating_fails_at_once(pool_name):
-    from shmcache.errors import IncompatiblePoolError
-    from shmcache.inspect_pool import cleanup
-    p = _slow_creator(pool_name, 60)
-    p.kill()
-    p.wait()
-    p.stdout.close()
-    t0 = time.monotonic()
-    with pytest.raises(IncompatiblePoolError) as ei:
-        shmcache.attach(pool_name, timeout=30)
-    assert time.monotonic() - t0 < 5                # not the 30 s timeout
-    assert "never initialised" in str(ei.value) and str(p.pid) in str(ei.value)
-    ok, why = cleanup(pool_name)                    # and `shmcache cleanup` removes it
-    assert ok, why
-    assert not os.path.exists(shm_path(pool_name))
-    m = shmcache.create_pool(pool_name, block_size=4, max_blocks=8)   # the name is free again
-    m.destroy()
-
-
-def test_a_failed_creation_leaves_no_half_made_file(pool_name, monkeypatch):
-    from shmcache.pool import Pool
-
-    def boom(self):
-        raise RuntimeError("initialisation failed")
-    monkeypatch.setattr(Pool, "_initialise", boom)
-    with pytest.raises(RuntimeError):
-        shmcache.create_pool(pool_name, block_size=4, max_blocks=8)
-    assert not os.path.exists(shm_path(pool_name))
-
-
-def test_header_is_checksummed(make_pool):
-    m = make_pool()
-    h = m._p.header[0]
-    assert bytes(h["checksum"]) == L.header_checksum(h) != bytes(16)
-
-
-@pytest.mark.parametrize("how", ["no O_TMPFILE", "no /proc link"])
-def test_creation_without_o_tmpfile_or_proc(pool_name, monkeypatch, how):
-    """Where the file cannot be made nameless (or named through /proc), it is
-    made under its name with O_EXCL and locked at once: same pool, same mode."""
-    import errno
-    if how == "no O_TMPFILE":
-        monkeypatch.delattr(os, "O_TMPFILE", raising=False)
-    else:
-        def no_proc(fd, path):
-            raise OSError(errno.ENOENT, "No such file or directory")
-        monkeypatch.setattr(segment, "link_fd", no_proc)
-    m = shmcache.create_pool(pool_name, block_size=4, max_blocks=8)
-    try:
-        assert stat.S_IMODE(os.stat(shm_path(pool_name)).st_mode) == 0o600
-        other = shmcache.attach(pool_name)
-        other.allocate_block()
-        assert other.check() == [] and m.free_blocks == 6
-        other.close()
-        with pytest.raises(PoolExistsError):
-            shmcache.create_pool(pool_name, block_size=4, max_blocks=8)
-    finally:
-        m.destroy()
-    before = private_names()
-    p = shmcache.PagedCacheManager(block_size=4, max_blocks=8)
-    assert private_names() == before
-    p.close()

@@ -52,7 +52,7 @@ def reference(model_dir) -> Reference:
 @pytest.fixture(scope="module")
 def hosts(redis_srv, model_dir):
     # a generous --l2-timeout: on a loaded 2-core machine a 50 ms one makes
-    # spurious outages (this is about correctness; tests/test_l2.py times it)
+    # spurious outages (this is about correctness; tests/test_l2_client.py times it)
     args = ("--workers", 1, "--max-blocks", 256, "--l2", redis_srv.url, "--cluster-secret",
             SECRET, "--l2-timeout", 1.0, "--l2-retry", 0.5)
     with serving(model_dir, *args) as a, serving(model_dir, *args) as b:

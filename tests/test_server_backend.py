@@ -1,0 +1,144 @@
+"""End-to-end tests of ``shmcache serve``'s supervisor
+(``shmcache.server.backend`` and ``worker_procs``): the least-loaded routing
+sends a request to another worker, which finds the prefix in the shared pool;
+a worker killed mid-request is restarted and its request re-run.
+
+The server is a real subprocess with real workers (``tests/_serve_proc.py``
+says how, and how it is checked and stopped).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from _serve_proc import BS, MODEL_NAME, STARTUP_S, _is_running, got, printable, serving
+from _serve_proc import model_dir, reference  # pytest fixtures
+
+# the fixtures imported above, listed so that pyflakes counts them as used
+__all__ = ["model_dir", "reference"]
+
+
+@pytest.fixture(scope="module")
+def two_workers(model_dir):
+    with serving(model_dir, "--workers", 2, "--max-blocks", 256) as srv:
+        yield srv
+
+
+# -------------------------------------------------------------------- tests
+@pytest.mark.timeout(300)
+def test_shared_prefix_is_reused_across_workers(two_workers, reference):
+    """Worker 0 computes a 200-token prefix; while it is busy with a long
+    request, the least-loaded routing sends the next requests with that prefix
+    to worker 1, which must find the prefix's 12 full blocks in the pool."""
+    srv = two_workers
+    client = srv.client()
+    assert len(srv.worker_procs()) == 2
+    rng = random.Random(303)
+    prefix = printable(rng, 200)
+    full = len(prefix) // BS * BS
+    suffixes = [printable(rng, k) for k in (7, 11, 19, 30, 3)]
+    hit_rate_before = srv.metric("shmcache_prefix_cache_hit_rate")
+
+    first = prefix + suffixes[0]
+    r = client.completions.create(model=MODEL_NAME, prompt=first, max_tokens=16, temperature=0)
+    assert got(r) == reference.greedy(first, 16)
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+
+    # keep worker 0 (the idle server's first pick) busy with a long stream
+    busy_prompt = printable(rng, 24)
+    busy = client.completions.create(model=MODEL_NAME, prompt=busy_prompt, max_tokens=400,
+                                     temperature=0, stream=True)
+    it = iter(busy)
+    busy_parts = [next(it).choices[0].text]     # it is running now
+
+    def drain():
+        for chunk in it:
+            busy_parts.extend(c.text for c in chunk.choices)
+
+    drainer = threading.Thread(target=drain, daemon=True)
+    drainer.start()
+
+    def ask(suffix):
+        p = prefix + suffix
+        return p, client.completions.create(model=MODEL_NAME, prompt=p, max_tokens=16,
+                                            temperature=0)
+
+    w0, w1 = srv.worker_procs()
+    cpu = sum(w1.cpu_times()[:2])
+    answers = [ask(suffixes[1])]                 # on worker 1
+    assert sum(w1.cpu_times()[:2]) - cpu >= 0.01, "worker 1 did not serve it"
+    with ThreadPoolExecutor(3) as ex:            # and a few at once, on either
+        answers += list(ex.map(ask, suffixes[2:]))
+    for p, r in answers:
+        assert got(r) == reference.greedy(p, 16), f"prompt of {len(p)} tokens"
+        assert r.usage.prompt_tokens_details.cached_tokens >= full, \
+            f"prompt of {len(p)} tokens: {r.usage.prompt_tokens_details.cached_tokens} cached"
+    drainer.join(120)
+    assert not drainer.is_alive()
+    assert "".join(busy_parts) == reference.greedy(busy_prompt, 400).text
+    assert srv.metric("shmcache_prefix_cache_hit_rate") > hit_rate_before >= 0
+    assert srv.metric("shmcache_cached_prompt_tokens_total") >= full * len(answers)
+    # the prefix's blocks (and more) stay cached, with nothing in use
+    assert srv.wait_idle()["cached"] >= full // BS
+
+
+@pytest.mark.timeout(300)
+def test_worker_killed_mid_request_is_rerun(model_dir, reference):
+    """SIGKILL the worker running a long streaming request: the supervisor
+    re-runs it on the other worker and drops what was already delivered, so
+    the client gets one complete answer, equal to the reference."""
+    with serving(model_dir, "--workers", 2, "--max-blocks", 256) as srv:
+        client = srv.client()
+        rng = random.Random(505)
+        prompt = printable(rng, 40)
+        ref = reference.greedy(prompt, 300)
+        w0, w1 = srv.worker_procs()             # an idle server picks worker 0
+        parts, reasons, killed_at = [], [], None
+        for chunk in client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=300,
+                                               temperature=0, stream=True):
+            for c in chunk.choices:
+                parts.append(c.text)
+                if c.finish_reason:
+                    reasons.append(c.finish_reason)
+            if killed_at is None and len("".join(parts)) >= 10:
+                killed_at = len("".join(parts))
+                w0.send_signal(signal.SIGKILL)
+                assert srv.get("/health").status_code == 200
+        assert killed_at is not None
+        text = "".join(parts)
+        assert len(text) == len(ref.text) and text == ref.text, \
+            f"killed after {killed_at} chars; got {len(text)} chars, expected {len(ref.text)}"
+        assert reasons == [ref.finish_reason]
+        assert re.search(rf"worker 0 \(pid {w0.pid}\) died \(exit SIGKILL\); re-running its "
+                         r"1 requests", srv.log()), srv.log()
+        health = srv.get("/health")
+        assert health.status_code == 200, health.text
+        assert srv.metric("shmcache_worker_restarts_total") >= 1
+
+        deadline = time.monotonic() + STARTUP_S
+        while srv.get("/health").json()["workers_alive"] < 2:
+            assert time.monotonic() < deadline, "worker 0 was not restarted"
+            time.sleep(0.2)
+        new = srv.worker_procs()
+        assert [p.pid for p in new][1] == w1.pid and new[0].pid != w0.pid
+        assert not _is_running(w0)
+        assert srv.metric("shmcache_workers_alive") == 2
+
+        after = printable(rng, 45)
+        r = client.completions.create(model=MODEL_NAME, prompt=after, max_tokens=24,
+                                      temperature=0)
+        assert got(r) == reference.greedy(after, 24)
+        # the killed worker's prompt blocks stayed in the pool
+        r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24,
+                                      temperature=0)
+        assert got(r) == reference.greedy(prompt, 24)
+        assert r.usage.prompt_tokens_details.cached_tokens == (len(prompt) - 1) // BS * BS
+        # nothing the killed worker held is still in use (reclaimed)
+        assert srv.wait_idle()["cached"] > 0

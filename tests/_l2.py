@@ -1,5 +1,5 @@
 """What the tests of the L2 tier share (``test_l2_client``, ``test_l2_store``,
-``test_l2_tier``, ``test_l2_codec``): a secret and a layout, random blocks,
+``test_l2_tier``, ``test_l2_codec``, ``test_l2_library``): a secret and a layout, random blocks,
 and the fixtures around a real ``redis-server`` (``tests/_redis.py``;
 skipped, with the reason, where there is none). ``redis_srv`` is
 module-scoped: one server per test module. The fixtures are imported by name

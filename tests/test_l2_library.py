@@ -29,19 +29,12 @@ from conftest import new_name  # noqa: E402
 from shmcache import mlx_lm as P  # noqa: E402
 from shmcache.l2 import L2Tier  # noqa: E402
 
-from _redis import redis_or_skip  # noqa: E402
+from _l2 import redis_srv  # noqa: E402,F401  (a pytest fixture)
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(240)]
 
 BS = 16
 SECRET = "one cluster"
-
-
-@pytest.fixture(scope="module")
-def redis_srv():
-    srv = redis_or_skip()
-    yield srv
-    srv.stop()
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ them, what they share: one streamed completion request timed
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import sys
@@ -22,6 +21,7 @@ import time
 import httpx
 
 from tools.bench_serve import Server, free_port
+from tools.bench_serve_client import one_request
 
 PROMPT_TOKENS = 2048
 SECRET = "bench-l2-secret"
@@ -35,30 +35,10 @@ def log(msg: str) -> None:
 # ------------------------------------------------------------------ client
 def request(client: httpx.Client, url: str, prompt: list, max_tokens: int,
             timeout: float = 600) -> dict:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    ttft, usage = None, {}
-    with client.stream("POST", url + "/v1/completions", json=body, timeout=timeout) as r:
-        if r.status_code != 200:
-            r.read()
-            raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
-        for line in r.iter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            ev = json.loads(data)
-            if ev.get("error"):
-                raise RuntimeError(f"error event: {ev['error']}")
-            if ttft is None and any(c.get("text") for c in ev.get("choices") or ()):
-                ttft = time.perf_counter() - t0
-            if ev.get("usage"):
-                usage = ev["usage"]
-    return {"ttft_s": ttft, "latency_s": time.perf_counter() - t0,
-            "completion_tokens": usage.get("completion_tokens", 0),
-            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
+    """One streamed completion (bench_serve_client's), cached_tokens 0 when unreported."""
+    r = one_request(client, url, prompt, max_tokens, timeout)
+    r["cached_tokens"] = r["cached_tokens"] or 0
+    return r
 
 
 def metric(client: httpx.Client, url: str, name: str) -> float:

@@ -65,16 +65,23 @@ class PrefixOps(PoolOps):
 
     def _lookup_chain(self, hashes) -> list:
         """Blocks of the longest cached run of ``hashes`` from the first (lock
-        held), counting the hits and the miss that ends the run."""
+        held); not counted yet (``_count_lookup``)."""
         fc = getattr(self._p.native, "find_chain", None)
         found = fc(hashes) if fc is not None else None
         if found is None:       # (no C, or it refused: the probes here raise)
             found = self._index.find_chain(hashes)
+        return found
+
+    def _count_lookup(self, found, hashes) -> None:
+        """Count a lookup's hits and the miss that ended its run (lock held).
+
+        NOTE: called once the operation can no longer fail, so that one that
+        raises (no room for the references) leaves the statistics as well as
+        the pool unchanged."""
         c = self._p.c
         c[L.C_HITS] += len(found)
         if len(found) < len(hashes):
             c[L.C_MISSES] += 1
-        return found
 
     def get_computed_blocks(self, token_ids: List[int],
                             extra_keys: Optional[Tuple[Any, ...]] = None
@@ -87,6 +94,7 @@ class PrefixOps(PoolOps):
         with self._p.lock:
             self._sync()
             found = self._lookup_chain(hashes)
+            self._count_lookup(found, hashes)
         return [SharedBlock(self, b) for b in found], len(found) * self.block_size
 
     def acquire_computed_blocks(self, token_ids: List[int],
@@ -123,6 +131,7 @@ class PrefixOps(PoolOps):
             if table is None:
                 found = self._lookup_chain(hashes)
                 self._refs.need(len(found))
+                self._count_lookup(found, hashes)
                 for b in found:
                     self._take_ref(b)
             else:
@@ -134,8 +143,10 @@ class PrefixOps(PoolOps):
                 # C (_hot.table_take): the steps below in one call; None:
                 # nothing changed, and they run here (raising for what it refused)
                 if take is not None and take(t, found, now, bs * len(found)) is not None:
+                    self._count_lookup(found, hashes)
                     return [SharedBlock(self, b) for b in found], len(found) * bs
                 self._refs.need_table(t, len(found))
+                self._count_lookup(found, hashes)
                 for b in found:
                     if p.b_ref[b] == 0:
                         if p.b_prev[b] < 0 or p.b_next[b] < 0:
@@ -190,7 +201,10 @@ class PrefixOps(PoolOps):
         """Block ids of the longest cached whole-chain prefix, and the tokens after it."""
         with self._p.lock:
             self._sync()
-            found = (self._lookup_chain(self._hashes(tokens, len(tokens) // self.block_size, None))
-                     if self.enable_caching else [])
+            found = []
+            if self.enable_caching:
+                hashes = self._hashes(tokens, len(tokens) // self.block_size, None)
+                found = self._lookup_chain(hashes)
+                self._count_lookup(found, hashes)
             return found, list(tokens[len(found) * self.block_size:])
 

@@ -1,16 +1,17 @@
 """Build script for the native accelerators (everything else is in pyproject.toml).
 
-``shmcache._hot`` (C, ``shmcache/_native/hot.c`` and ``hot_mutex.h``) holds
-the pool's robust mutex calls and the fused allocate/free paths; it is
-required on Linux, the platform shmcache runs on, so a build that cannot
-compile it fails instead of installing a slower package (elsewhere it stays
-optional). ``shmcache._mlxbuf`` (C++, ``shmcache/_native/mlxbuf.cpp``, built
-against MLX's headers with nanobind, as MLX's own bindings are) copies a KV
-read straight into new MLX arrays; it is optional. The Python paths stay as
-the reference and the fallback (``SHMCACHE_PURE=1``, or a module not built):
-the same mutex through ctypes, the same operations in Python
-(``shmcache/fastpath.py``), and numpy for the KV read (``shmcache/kv.py``),
-only slower.
+Both are C++ bound with nanobind (a build requirement), from
+``shmcache/_native/``. ``shmcache._hot`` (``hot.cpp``, the binding, over the
+``hot_*.h`` headers: a C core with no Python) holds the pool's robust mutex
+calls and the fused allocate/free and table paths; it is required on Linux,
+the platform shmcache runs on, so a build that cannot compile it fails
+instead of installing a slower package (elsewhere it stays optional); it
+does not use MLX. ``shmcache._mlxbuf`` (``mlxbuf.cpp``, built against MLX's
+headers, as MLX's own bindings are) copies a KV read straight into new MLX
+arrays; it is optional. The Python paths stay as the reference and the
+fallback (``SHMCACHE_PURE=1``, or a module not built): the same mutex
+through ctypes, the same operations in Python (``shmcache/fastpath.py``),
+and numpy for the KV read (``shmcache/kv.py``), only slower.
 """
 
 import os
@@ -18,7 +19,35 @@ import sys
 
 from setuptools import Extension, setup
 
-_FLAGS = ["-O2", "-Wall"]
+_LINUX = sys.platform.startswith("linux")
+# _hot's flags; -fno-strict-aliasing: its core reads the pool's records
+# through pointer casts into one mapping
+_HOT_FLAGS = ["-O2", "-Wall", "-std=c++17", "-fvisibility=hidden", "-fno-strict-aliasing"]
+_HOT_HEADERS = ["hot_params.h", "hot_mutex.h", "hot_localmap.h", "hot_loose.h",
+                "hot_tables.h", "hot_append.h", "hot_index.h"]
+
+
+def _hot():
+    # required on Linux: without nanobind there, fail the build (the import
+    # error says why) instead of installing the slow path
+    try:
+        import nanobind
+    except ImportError as e:
+        if _LINUX:
+            raise
+        print(f"shmcache: not building shmcache._hot ({e})", file=sys.stderr)
+        return []
+    nb = nanobind.source_dir()
+    return [Extension(
+        "shmcache._hot",
+        ["shmcache/_native/hot.cpp", os.path.join(nb, "nb_combined.cpp")],
+        depends=[f"shmcache/_native/{h}" for h in _HOT_HEADERS],
+        optional=not _LINUX, language="c++",
+        include_dirs=[nanobind.include_dir(), os.path.join(nb, "..", "ext", "robin_map", "include")],
+        # no NB_DOMAIN: nanobind's default domain, not MLX's (_mlxbuf's)
+        define_macros=[("NB_COMPACT_ASSERTIONS", None), ("NDEBUG", None)],
+        extra_compile_args=_HOT_FLAGS,
+    )]
 
 
 def _mlxbuf():
@@ -54,12 +83,4 @@ def _mlxbuf():
     )]
 
 
-setup(ext_modules=[
-    Extension("shmcache._hot", ["shmcache/_native/hot.c"],
-              depends=["shmcache/_native/hot_params.h", "shmcache/_native/hot_mutex.h",
-                       "shmcache/_native/hot_localmap.h", "shmcache/_native/hot_loose.h",
-                       "shmcache/_native/hot_tables.h", "shmcache/_native/hot_append.h",
-                       "shmcache/_native/hot_index.h"],
-              optional=not sys.platform.startswith("linux"), extra_compile_args=_FLAGS),
-    *_mlxbuf(),
-])
+setup(ext_modules=[*_hot(), *_mlxbuf()])

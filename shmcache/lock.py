@@ -16,8 +16,9 @@ it leaves cleanly; whoever next takes the lock and finds it set runs
 ``open_hot(mm, layout)`` returns an object with ``init_mutex()``,
 ``trylock()``/``lock()`` (0 taken, 1 taken from a dead holder, -1 busy for
 ``trylock``), ``unlock()``, ``release()``, ``lock_slices()``, and ``alloc``
-and ``free``: the fused operations of ``_hot`` (``_native/hot.c``), or None (then
-``fastpath`` does them in Python under the lock). ``_hot`` also has the table
+and ``free``: the fused operations of ``_hot`` (``_native/hot.cpp``, the
+nanobind binding of the ``hot_*.h`` core), or None (then ``fastpath`` does
+them in Python under the lock). ``_hot`` also has the table
 operations ``table_new``, ``table_take``, ``table_append`` and ``table_drop`` and the prefix
 lookup ``find_chain``, which run inside a hold of this lock (the reference mutex has none: callers look them
 up with ``getattr`` and run the Python path without them). Set

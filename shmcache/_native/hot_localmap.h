@@ -2,21 +2,23 @@
  * references, as alloc() and free() (hot_loose.h) read and change it.
  *
  * The map is loosemap.LooseMap's int32 array, which the manager passes to
- * each call (a writable buffer): per block a count and a link to its newest
- * word, per chunk-area word the links to the next older and newer word of
- * the same block (a link is word + 1; 0 is none). loosemap.py is the
- * reference and holds the byte map; these functions do what its methods of
- * the same names do. None of them allocates or can fail, so the fused ops
- * apply them after committing the shared change.
+ * each call (a writable buffer; the binding hands it over as a pointer and
+ * a size): per block a count and a link to its newest word, per chunk-area
+ * word the links to the next older and newer word of the same block (a
+ * link is word + 1; 0 is none). loosemap.py is the reference and holds the
+ * byte map; these functions do what its methods of the same names do. None
+ * of them allocates or can fail, so the fused ops apply them after
+ * committing the shared change.
  *
  * It is this process's alone: read and written without the pool lock (with
- * the GIL held). The slot's list in shared memory is the truth; a stale map
- * is rebuilt from it (refs.RefStore.resync).
+ * the GIL held: the binding keeps it around alloc() and free()). The slot's
+ * list in shared memory is the truth; a stale map is rebuilt from it
+ * (refs.RefStore.resync).
  */
 #ifndef SHMCACHE_HOT_LOCALMAP_H
 #define SHMCACHE_HOT_LOCALMAP_H
 
-#include "hot_params.h"    /* first: it includes Python.h */
+#include "hot_params.h"
 
 #include <stdint.h>
 
@@ -25,19 +27,30 @@ typedef struct {
     int64_t nblocks, nwords;
 } LMap;
 
-/* View the buffer as the map of a pool of h's sizes: 0, or -1 with
- * ValueError set when its size is not the one LooseMap gives them. */
-static HOT_UNUSED int
-lm_open(Hot *h, Py_buffer *v, LMap *m)
+/* The int32 items of the map of a pool of h's sizes: 2 * lm_blocks(h) +
+ * 2 * lm_words(h). */
+static inline int64_t
+lm_blocks(const HotCore *h)
 {
-    int64_t b = h->p[P_MAX_BLOCKS], w = (int64_t)NCHUNKS(h) * CW;
-    if (v->len != (2 * b + 2 * w) * (Py_ssize_t)sizeof(int32_t) || v->readonly) {
-        PyErr_Format(PyExc_ValueError, "the loose map must be a writable int32 array of "
-                     "%lld items (2 * %lld blocks + 2 * %lld words), got %zd bytes",
-                     (long long)(2 * b + 2 * w), (long long)b, (long long)w, v->len);
+    return h->p[P_MAX_BLOCKS];
+}
+
+static inline int64_t
+lm_words(const HotCore *h)
+{
+    return NCHUNKS(h) * CW;
+}
+
+/* View buf (len bytes, writable: the binding asks for a writable buffer) as
+ * the map of a pool of h's sizes: 0, or -1 when its size is not the one
+ * LooseMap gives them (the binding raises ValueError). */
+static inline int
+lm_open(const HotCore *h, void *buf, int64_t len, LMap *m)
+{
+    int64_t b = lm_blocks(h), w = lm_words(h);
+    if (len != (2 * b + 2 * w) * (int64_t)sizeof(int32_t))
         return -1;
-    }
-    m->count = (int32_t *)v->buf;
+    m->count = (int32_t *)buf;
     m->top = m->count + b;
     m->older = m->top + b;
     m->newer = m->older + w;
@@ -47,14 +60,14 @@ lm_open(Hot *h, Py_buffer *v, LMap *m)
 }
 
 /* The newest word naming b (-1: none). */
-static HOT_UNUSED int64_t
+static inline int64_t
 lm_top(const LMap *m, int32_t b)
 {
     return (int64_t)m->top[b] - 1;
 }
 
 /* Whether word is one of b's words, by its links (O(1)). */
-static HOT_UNUSED int
+static inline int
 lm_has_word(const LMap *m, int32_t b, int64_t word)
 {
     int64_t up;
@@ -66,7 +79,7 @@ lm_has_word(const LMap *m, int32_t b, int64_t word)
     return up > 0 && up <= m->nwords && m->older[up - 1] == word + 1;
 }
 
-static HOT_UNUSED void
+static inline void
 lm_push(LMap *m, int32_t b, int64_t word)
 {
     int32_t t = m->top[b];
@@ -79,7 +92,7 @@ lm_push(LMap *m, int32_t b, int64_t word)
 }
 
 /* Take b's newest word off its stack (the caller checked the count). */
-static HOT_UNUSED void
+static inline void
 lm_pop(LMap *m, int32_t b)
 {
     int64_t word = (int64_t)m->top[b] - 1;
@@ -93,7 +106,7 @@ lm_pop(LMap *m, int32_t b)
 
 /* Put word nw in word old's place in b's stack (the caller checked
  * lm_has_word(b, old); nw is in no stack). */
-static HOT_UNUSED void
+static inline void
 lm_move(LMap *m, int32_t b, int64_t old, int64_t nw)
 {
     int32_t up = m->newer[old], down = m->older[old];
@@ -110,11 +123,11 @@ lm_move(LMap *m, int32_t b, int64_t old, int64_t nw)
 
 /* Whether the map holds each id of sorted (n ids, ascending, each in
  * [1, nblocks)) at least as many times as it is listed. */
-static HOT_UNUSED int
-lm_holds(const LMap *m, const int32_t *sorted, Py_ssize_t n)
+static inline int
+lm_holds(const LMap *m, const int32_t *sorted, int64_t n)
 {
-    for (Py_ssize_t i = 0; i < n;) {
-        Py_ssize_t j = i;
+    for (int64_t i = 0; i < n;) {
+        int64_t j = i;
         while (j < n && sorted[j] == sorted[i])
             j++;
         if (m->count[sorted[i]] < j - i)

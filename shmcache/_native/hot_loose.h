@@ -1,6 +1,6 @@
 /* shmcache/_native/hot_loose.h: the two operations a scheduler calls on
  * every step, in C: alloc() (allocate blocks as loose references of the
- * caller's slot) and free() (release a batch of them). Included by hot.c.
+ * caller's slot) and free() (release a batch of them). Included by hot.cpp.
  *
  * They do exactly what shmcache/fastpath.py does (which stays as the
  * reference, and the path taken where this module is not loaded), plus
@@ -8,8 +8,8 @@
  * costs as much as the work. They only ever *try* the lock: holding the GIL
  * while waiting for a lock that another thread of this process holds would
  * deadlock, so when the lock is busy, the pool dirty, the manager's view
- * stale or anything unusual they return None having changed nothing, and
- * the caller takes the slow path.
+ * stale or anything unusual they return having changed nothing (the binding
+ * returns None), and the caller takes the slow path.
  *
  * NOTE: crash consistency is the Python code's: the dirty mark is set (with a
  * fence) before the first shared write and cleared after the last, so a
@@ -19,15 +19,15 @@
  * head and links, the slot's list head and its chunk links, the words of
  * the local map) is checked against its structure's size before it is
  * used. One out of range means a corrupt pool: the op gives up (before its
- * first write when the check can be made then, else
- * leaving the pool dirty, as a crash would) and returns None, and the Python
- * path, which finds the pool dirty or meets the same index, repairs or
- * raises CorruptPoolError. No index is followed outside the segment.
+ * first write when the check can be made then, else leaving the pool dirty,
+ * as a crash would) and returns the slow path's code (None to Python), and
+ * the Python path, which finds the pool dirty or meets the same index,
+ * repairs or raises CorruptPoolError. No index is followed outside the segment.
  */
 #ifndef SHMCACHE_HOT_LOOSE_H
 #define SHMCACHE_HOT_LOOSE_H
 
-#include "hot_mutex.h"     /* first: it includes Python.h */
+#include "hot_mutex.h"
 #include "hot_localmap.h"
 
 #include <stdint.h>
@@ -35,53 +35,45 @@
 #include <string.h>
 #include <time.h>
 
-/* alloc(n, slot, epoch, loose) -> list of n block ids, or None.
- * loose is the manager's LooseMap array (hot_localmap.h).
- * The first n free blocks must be uncached (otherwise None: the slow path
- * evicts their cache entries), and the chunks the slot's loose list grows
- * by free (otherwise None: the slow path reports it).
- * NOTE: the shared update is pure C and cannot fail, and neither can the
- * process-local map's, done after the lock is released (only this thread
- * can see the map: we hold the GIL). Only building the returned list can
- * (MemoryError); the caller then rebuilds the map from the slot's list. */
-static HOT_UNUSED PyObject *
-Hot_alloc(Hot *h, PyObject *args)
+/* Whether alloc() may run at all for n blocks into slot (else it returns 0
+ * at once: the binding checks this before it looks at the loose map). More
+ * than the pool has goes to the slow path, which raises, before any
+ * allocation. */
+static inline int
+hot_alloc_ok(const HotCore *h, int64_t n, int slot)
 {
-    Py_ssize_t n, i;
-    int slot;
-    long long epoch;
-    Py_buffer lv;
-    LMap lm;
-    PyObject *ids = NULL;
-    int32_t stack_b[64], stack_c[8], *bs = stack_b, *cs = stack_c;
+    return !(n <= 0 || n >= h->p[P_MAX_BLOCKS] || slot < 0 || slot >= h->p[P_MAX_SLOTS] ||
+             NCHUNKS(h) <= 0);
+}
+
+/* alloc(n, slot, epoch, loose): n blocks allocated as loose references of
+ * slot, their ids written to ids (the caller's, n of them). lm is the
+ * manager's LooseMap array (hot_localmap.h). 1: done; 0: nothing changed,
+ * the slow path runs (the binding returns None); HOT_NOMEM: nothing changed.
+ * The first n free blocks must be uncached (otherwise 0: the slow path
+ * evicts their cache entries), and the chunks the slot's loose list grows
+ * by free (otherwise 0: the slow path reports it).
+ * NOTE: the shared update cannot fail, and neither can the process-local
+ * map's, done after the lock is released (only this thread can see the map:
+ * the caller holds the GIL). Only the binding's list of the ids can
+ * (MemoryError); the caller then rebuilds the map from the slot's list. */
+static inline int
+hot_alloc(HotCore *h, int64_t n, int slot, long long epoch, LMap *lm, int32_t *ids)
+{
+    int64_t i;
+    int r;
+    int32_t stack_c[8], *bs = ids, *cs = stack_c;
     int64_t stack_g[64], *gs = stack_g;
 
-    if (!PyArg_ParseTuple(args, "niLw*", &n, &slot, &epoch, &lv))
-        return NULL;
-    if (!hot_ready(h)) {
-        PyBuffer_Release(&lv);
-        return NULL;
-    }
-    /* (more than the pool has: the slow path raises, before any allocation) */
-    if (n <= 0 || n >= h->p[P_MAX_BLOCKS] || slot < 0 || slot >= h->p[P_MAX_SLOTS] ||
-        NCHUNKS(h) <= 0) {
-        PyBuffer_Release(&lv);
-        Py_RETURN_NONE;
-    }
-    if (lm_open(h, &lv, &lm) < 0) {
-        PyBuffer_Release(&lv);
-        return NULL;
-    }
+    if (!hot_alloc_ok(h, n, slot))
+        return 0;
     if (n > 64) {
-        bs = PyMem_Malloc(n * sizeof(int32_t));
-        gs = PyMem_Malloc(n * sizeof(int64_t));
-        cs = PyMem_Malloc((n / CI + 2) * sizeof(int32_t));
-        if (!bs || !gs || !cs) {
-            PyMem_Free(bs);
-            PyMem_Free(gs);
-            PyMem_Free(cs);
-            PyBuffer_Release(&lv);
-            return PyErr_NoMemory();
+        gs = (int64_t *)malloc(n * sizeof(int64_t));
+        cs = (int32_t *)malloc((n / CI + 2) * sizeof(int32_t));
+        if (!gs || !cs) {
+            free(gs);
+            free(cs);
+            return HOT_NOMEM;
         }
     }
     if (enter(h, epoch, slot) < 0)
@@ -91,7 +83,7 @@ Hot_alloc(Hot *h, PyObject *args)
         const uint16_t CACHED = (uint16_t)h->p[P_FLAG_CACHED];
         int32_t b = NEXT(h, HEAD), k = (int32_t)C(h, P_C_FREE_REF);
         int32_t cnt = SF(h, slot, P_S_COUNT), head = SF(h, slot, P_S_HEAD);
-        Py_ssize_t need, ci = 0;
+        int64_t need, ci = 0;
         struct timespec ts;
         float now;
         if (cnt < 0 || cnt > NCHUNKS(h) * CI) {
@@ -163,103 +155,65 @@ Hot_alloc(Hot *h, PyObject *args)
         leave(h, 1);
     }
     for (i = 0; i < n; i++)
-        lm_push(&lm, bs[i], gs[i]);
-    ids = PyList_New(n);
-    for (i = 0; ids && i < n; i++) {
-        PyObject *bo = PyLong_FromLong(bs[i]);
-        if (!bo)
-            Py_CLEAR(ids);
-        else
-            PyList_SET_ITEM(ids, i, bo);
-    }
-    if (!ids) {
-        PyErr_Clear();
-        PyErr_SetString(PyExc_MemoryError, "loose-reference map must be resynced");
-    }
+        lm_push(lm, bs[i], gs[i]);
+    r = 1;
     goto done;
 busy:
-    ids = Py_None;
-    Py_INCREF(ids);
+    r = 0;
 done:
-    if (bs != stack_b) {
-        PyMem_Free(bs);
-        PyMem_Free(gs);
-        PyMem_Free(cs);
+    if (gs != stack_g) {
+        free(gs);
+        free(cs);
     }
-    PyBuffer_Release(&lv);
-    return ids;
+    return r;
 }
 
-/* free(ids, slot, epoch, loose) -> number of blocks that became free, or
- * None (nothing changed) when an id is not an int in [1, max_blocks), is
- * not held loose by this slot as many times as listed, or the lock is busy:
- * the slow path then raises the precise error or waits. */
-static HOT_UNUSED PyObject *
-Hot_free(Hot *h, PyObject *args)
+/* Whether free() may run at all for slot (else it returns HOT_SLOW at once:
+ * the binding checks this before it looks at the loose map or the ids). */
+static inline int
+hot_free_ok(const HotCore *h, int slot)
 {
-    PyObject *seq, *fast = NULL, *result = NULL;
-    Py_buffer lv;
-    LMap lm;
-    int slot;
-    long long epoch;
-    int32_t stack_b[64], stack_s[64], *bs = stack_b, *sorted = stack_s;
-    Py_ssize_t n, i, freed = 0;
-    int ok = 1;
+    return !(slot < 0 || slot >= h->p[P_MAX_SLOTS] || NCHUNKS(h) <= 0);
+}
 
-    if (!PyArg_ParseTuple(args, "OiLw*", &seq, &slot, &epoch, &lv))
-        return NULL;
-    if (!hot_ready(h))
-        goto fail;
-    if (slot < 0 || slot >= h->p[P_MAX_SLOTS] || NCHUNKS(h) <= 0)
-        goto busy;
-    if (lm_open(h, &lv, &lm) < 0)
-        goto fail;
-    fast = PySequence_Fast(seq, "ids must be a sequence");
-    if (!fast)
-        goto fail;
-    n = PySequence_Fast_GET_SIZE(fast);
-    if (n == 0) {
-        result = PyLong_FromLong(0);
-        goto done;
-    }
+/* free(ids, slot, epoch, loose): the n block ids of ids released, each a
+ * loose reference of slot (lm: the manager's LooseMap array). The number of
+ * blocks that became free; HOT_SLOW (nothing changed) when an id is not in
+ * [1, max_blocks) (the binding, which reads the ids, refuses one that is
+ * not an int first), is not held loose by this slot as many times as
+ * listed, or the lock is busy: the slow path then raises the precise error
+ * or waits; HOT_NOMEM (nothing changed). */
+static inline int64_t
+hot_free(HotCore *h, const int32_t *bs, int64_t n, int slot, long long epoch, LMap *lm)
+{
+    int32_t stack_s[64], *sorted = stack_s;
+    int64_t i, freed = 0, r;
+
+    if (!hot_free_ok(h, slot))
+        return HOT_SLOW;
+    if (n == 0)
+        return 0;
+    for (i = 0; i < n; i++)
+        if (!IS_BLOCK(h, bs[i]))
+            return HOT_SLOW;
     if (n > 64) {
-        bs = PyMem_Malloc(n * sizeof(int32_t));
-        sorted = PyMem_Malloc(n * sizeof(int32_t));
-        if (!bs || !sorted) {
-            PyErr_NoMemory();
-            goto fail;
-        }
+        sorted = (int32_t *)malloc(n * sizeof(int32_t));
+        if (!sorted)
+            return HOT_NOMEM;
     }
-    for (i = 0; i < n && ok; i++) {
-        PyObject *o = PySequence_Fast_GET_ITEM(fast, i);
-        long v;
-        if (!PyLong_CheckExact(o)) {
-            ok = 0;
-            break;
-        }
-        v = PyLong_AsLong(o);
-        if (v < 1 || v >= h->p[P_MAX_BLOCKS]) {
-            PyErr_Clear();
-            ok = 0;
-            break;
-        }
-        bs[i] = (int32_t)v;
-    }
-    if (!ok)
-        goto busy;
     /* every id held loose as many times as listed (sorted copy for counts);
      * before the lock: the map is this process's, and the epoch check below
      * confirms that it is current */
     memcpy(sorted, bs, n * sizeof(int32_t));
     if (n > 1)
         qsort(sorted, n, sizeof(int32_t), cmp_i32);
-    if (!lm_holds(&lm, sorted, n) || enter(h, epoch, slot) < 0)
+    if (!lm_holds(lm, sorted, n) || enter(h, epoch, slot) < 0)
         goto busy;
     {
         const int32_t HEAD = (int32_t)h->p[P_MAX_BLOCKS], TAIL = HEAD + 1;
         const uint16_t CACHED = (uint16_t)h->p[P_FLAG_CACHED];
-        const int64_t NW = (int64_t)NCHUNKS(h) * CW;
-        const Py_ssize_t CT = ((HotX *)h)->c_tokens;
+        const int64_t NW = NCHUNKS(h) * CW;
+        const int64_t CT = h->c_tokens;
         int corrupt = 0;
         begin_update(h);
         for (i = 0; i < n; i++) {
@@ -270,7 +224,7 @@ Hot_free(Hot *h, PyObject *args)
             /* checks first: every index read from shared memory in range,
              * and the map agreeing with the slot's list; then the change
              * (the count was checked above, and only this loop lowers it) */
-            g = lm_top(&lm, b);
+            g = lm_top(lm, b);
             if (cnt < 1 || !IS_CHUNK(h, hd) || g < 0 || g >= NW || g % CW == 0 || W(h, g) != b) {
                 corrupt = 1;
                 break;
@@ -278,7 +232,7 @@ Hot_free(Hot *h, PyObject *args)
             last = (int64_t)hd * CW + 1 + (cnt - 1) % CI;
             if (g != last) {
                 bl = W(h, last);
-                if (!lm_has_word(&lm, bl, last)) {
+                if (!lm_has_word(lm, bl, last)) {
                     corrupt = 1;
                     break;
                 }
@@ -299,11 +253,11 @@ Hot_free(Hot *h, PyObject *args)
                     break;
                 }
             }
-            lm_pop(&lm, b);
+            lm_pop(lm, b);
             if (g != last) {
                 /* move the newest id into g, then drop the newest: O(1) removal */
                 W(h, g) = bl;
-                lm_move(&lm, bl, last, g);
+                lm_move(lm, bl, last, g);
             }
             SF(h, slot, P_S_COUNT) = cnt - 1;   /* commit: b's reference is gone */
             if (empty) {                        /* the first chunk is empty: free it */
@@ -341,20 +295,14 @@ Hot_free(Hot *h, PyObject *args)
         }
         leave(h, 1);
     }
-    result = PyLong_FromSsize_t(freed);
+    r = freed;
     goto done;
 busy:
-    result = Py_None;
-    Py_INCREF(result);
-fail:
+    r = HOT_SLOW;
 done:
-    Py_XDECREF(fast);
     if (sorted != stack_s)
-        PyMem_Free(sorted);
-    if (bs != stack_b)
-        PyMem_Free(bs);
-    PyBuffer_Release(&lv);
-    return result;
+        free(sorted);
+    return r;
 }
 
 #endif

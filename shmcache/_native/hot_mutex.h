@@ -1,12 +1,13 @@
 /* shmcache/_native/hot_mutex.h: the pool mutex, and how shmcache._hot's fused
- * ops take it. Included by hot.c and the hot_*.h headers of the fused ops;
- * it includes hot_params.h (the Hot object, the offsets of the mutex and
- * the counters) first, so that it also compiles on its own.
+ * ops take it. Included by hot.cpp and the hot_*.h headers of the fused ops;
+ * it includes hot_params.h (HotCore, the offsets of the mutex and the
+ * counters), so that it also compiles on its own. No Python: the mutex
+ * calls return errno values, which the binding raises as OSError.
  *
  * The pool lock is a process-shared *robust* pthread mutex that lives in the
  * pool header (layout.MUTEX_OFF): locking it costs no system call when it is
  * free, and when its holder dies the kernel hands it to the next locker with
- * EOWNERDEAD (we make it consistent at once and return 1, so that the caller
+ * EOWNERDEAD (we make it consistent at once and report it, so that the caller
  * looks at the pool's dirty mark and repairs if the holder died mid-update).
  *
  * A fused op enters (spin briefly for the lock, then check that the pool is
@@ -17,7 +18,7 @@
 #ifndef SHMCACHE_HOT_MUTEX_H
 #define SHMCACHE_HOT_MUTEX_H
 
-#include "hot_params.h"    /* first: it includes Python.h */
+#include "hot_params.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -32,39 +33,37 @@
 
 /* ------------------------------------------------------------- the mutex */
 
-static HOT_UNUSED PyObject *
-Hot_init_mutex(Hot *self, PyObject *unused)
+/* Initialise the robust mutex (the pool's creator only): 0, or an errno. */
+static inline int
+hot_init_mutex(HotCore *h)
 {
     pthread_mutexattr_t a;
     int e;
-    if (!hot_ready(self))
-        return NULL;
     if ((e = pthread_mutexattr_init(&a)) ||
         (e = pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED)) ||
         (e = pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST)) ||
         (e = pthread_mutexattr_settype(&a, PTHREAD_MUTEX_ERRORCHECK)) ||
-        (e = pthread_mutex_init(self->mutex, &a))) {
-        errno = e;
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
+        (e = pthread_mutex_init(h->mutex, &a)))
+        return e;
     pthread_mutexattr_destroy(&a);
-    Py_RETURN_NONE;
+    return 0;
 }
 
 /* Taken from a holder that died: make the mutex usable again and mark the
  * pool dirty, so that whoever holds it next repairs (and reclaims the dead
  * holder's references) whether or not it died mid-update. */
-static HOT_UNUSED void
-owner_died(Hot *h)
+static inline void
+owner_died(HotCore *h)
 {
     pthread_mutex_consistent(h->mutex);
     C(h, P_C_DIRTY) = 1;
     FENCE();
 }
 
-/* 0: locked; 1: locked, the previous holder died holding it; -1: busy. */
-static HOT_UNUSED int
-try_lock(Hot *h)
+/* 0: locked; 1: locked, the previous holder died holding it; -1: busy.
+ * Never waits (the binding's trylock(), and the fused ops' spin). */
+static inline int
+hot_trylock(HotCore *h)
 {
     int e = pthread_mutex_trylock(h->mutex);
     if (e == 0)
@@ -74,14 +73,6 @@ try_lock(Hot *h)
         return 1;
     }
     return -1;
-}
-
-static HOT_UNUSED PyObject *
-Hot_trylock(Hot *self, PyObject *unused)
-{
-    if (!hot_ready(self))
-        return NULL;
-    return PyLong_FromLong(try_lock(self));
 }
 
 /* How long one futex sleep on the pool lock may last before the waiter
@@ -118,7 +109,7 @@ Hot_trylock(Hot *self, PyObject *unused)
  * The thread id is in our pid namespace: a pool shared across pid
  * namespaces is not supported. glibc keeps the lock word first in
  * pthread_mutex_t on Linux. */
-static HOT_UNUSED void
+static inline void
 owner_vanished(pthread_mutex_t *m, uint32_t w)
 {
     uint32_t tid = w & W_TID_MASK;
@@ -130,7 +121,7 @@ owner_vanished(pthread_mutex_t *m, uint32_t w)
                                 __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
 }
 
-static HOT_UNUSED int
+static inline int
 lock_bounded(pthread_mutex_t *m, long *slices)
 {
     uint32_t last = 0;
@@ -159,42 +150,24 @@ lock_bounded(pthread_mutex_t *m, long *slices)
     }
 }
 
-static long lock_slices_expired;   /* this process's count, for tests */
-
-static HOT_UNUSED PyObject *
-Hot_lock(Hot *self, PyObject *unused)
+/* Wait for the lock (the binding releases the GIL around it): 0, locked;
+ * EOWNERDEAD, locked after its holder died (made consistent, the pool marked
+ * dirty: owner_died); else the errno of the failure (not locked). `slices`
+ * counts the wait's slices that ran out (lock_bounded). */
+static inline int
+hot_lock(HotCore *h, long *slices)
 {
-    int e;
-    if (!hot_ready(self))
-        return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    e = lock_bounded(self->mutex, &lock_slices_expired);
+    int e = lock_bounded(h->mutex, slices);
     if (e == EOWNERDEAD)
-        owner_died(self);
-    Py_END_ALLOW_THREADS
-    if (e == 0 || e == EOWNERDEAD)
-        return PyLong_FromLong(e == EOWNERDEAD);
-    errno = e;
-    return PyErr_SetFromErrno(PyExc_OSError);
+        owner_died(h);
+    return e;
 }
 
-static HOT_UNUSED PyObject *
-Hot_lock_slices(Hot *self, PyObject *unused)
+/* Release the lock: 0, or an errno (not held by this thread). */
+static inline int
+hot_unlock(HotCore *h)
 {
-    return PyLong_FromLong(lock_slices_expired);
-}
-
-static HOT_UNUSED PyObject *
-Hot_unlock(Hot *self, PyObject *unused)
-{
-    int e;
-    if (!hot_ready(self))
-        return NULL;
-    if ((e = pthread_mutex_unlock(self->mutex))) {
-        errno = e;
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
-    Py_RETURN_NONE;
+    return pthread_mutex_unlock(h->mutex);
 }
 
 /* ------------------------------------------- how a fused op takes the lock */
@@ -213,22 +186,22 @@ cpu_relax(void)
  * short spin usually gets it: far cheaper than the slow path's sleep in
  * futex() and wake-up. Bounded (a few tens of microseconds): the holder may
  * be a thread of this process waiting for the GIL we hold. */
-static HOT_UNUSED int
-spin_lock(Hot *h)
+static inline int
+spin_lock(HotCore *h)
 {
-    int st = try_lock(h);
+    int st = hot_trylock(h);
     for (int i = 0; st < 0 && i < 256; i++) {
         for (int k = 0; k < 16; k++)
             cpu_relax();
-        st = try_lock(h);
+        st = hot_trylock(h);
     }
     return st;
 }
 
 /* Take the lock for a fused op; 0 if the op may go on (lock held, pool
  * clean, the manager's view current), -1 (lock not held) otherwise. */
-static HOT_UNUSED int
-enter(Hot *h, long long epoch, int slot)
+static inline int
+enter(HotCore *h, long long epoch, int slot)
 {
     if (spin_lock(h) < 0)
         return -1;
@@ -240,8 +213,8 @@ enter(Hot *h, long long epoch, int slot)
     return 0;
 }
 
-static HOT_UNUSED void
-leave(Hot *h, int changed)
+static inline void
+leave(HotCore *h, int changed)
 {
     C(h, P_C_OPS) += 1;
     if (changed) {
@@ -251,8 +224,8 @@ leave(Hot *h, int changed)
     pthread_mutex_unlock(h->mutex);
 }
 
-static HOT_UNUSED void
-begin_update(Hot *h)
+static inline void
+begin_update(HotCore *h)
 {
     C(h, P_C_DIRTY) = 1;
     FENCE();
@@ -261,8 +234,8 @@ begin_update(Hot *h)
 /* Whether this thread holds the pool mutex (the lock word names it: glibc
  * keeps the word first in pthread_mutex_t on Linux, see owner_vanished).
  * The lock-held table ops check it: their caller took the lock. */
-static HOT_UNUSED int
-held_here(Hot *h)
+static inline int
+held_here(const HotCore *h)
 {
     uint32_t w = __atomic_load_n((uint32_t *)h->mutex, __ATOMIC_RELAXED);
     return (w & W_TID_MASK) == (uint32_t)syscall(SYS_gettid);

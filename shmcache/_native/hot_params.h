@@ -1,29 +1,33 @@
-/* shmcache/_native/hot_params.h: the Hot object's layout, and how the C paths
- * of shmcache._hot reach the pool's fields through it. Included by the other
- * hot_*.h headers (and so by hot.c, their one translation unit); it includes
- * Python.h itself, first, so that it also compiles on its own.
+/* shmcache/_native/hot_params.h: the pool as the core of shmcache._hot sees
+ * it (HotCore: the mapping and the offsets of every field the core touches),
+ * the accessors over it, and hot_open()/hot_set_chunks(), which check those
+ * offsets against the mapping. Included by the other hot_*.h headers and by
+ * hot.cpp, the binding.
  *
- * Hot is the Python object: a writable buffer over the pool's mapping and
- * the offsets (a tuple of ints, in the order of the P_ enum) of the mutex,
- * the counters and every field the fused ops touch (see layout.py). HotX
- * adds what set_chunks() gives (hot.c).
+ * The hot_*.h headers are the core: plain C/C++ over pointers and integers,
+ * no Python (each compiles on its own, tests/test_native_headers.py). Their
+ * operations return codes, and write their results to the caller's
+ * buffers: HOT_SLOW (-1) means "nothing changed, take the slow path" (the
+ * binding returns None and the Python path runs), HOT_NOMEM (-2) that a
+ * scratch buffer could not be allocated (the binding raises MemoryError);
+ * the mutex calls return errno values.
  *
- * Every function of these headers is static: they form one translation
- * unit. HOT_UNUSED marks them so that a header compiled on its own (where
- * nothing calls them) raises no -Wunused-function warning.
+ * HotCore is filled by the binding from a writable buffer over the pool's
+ * mapping and the offsets (a tuple of ints, in the order of the P_ enum) of
+ * the mutex, the counters and every field the fused ops touch (see
+ * layout.py); hot_set_chunks() adds what the fused ops need beyond them.
  */
 #ifndef SHMCACHE_HOT_PARAMS_H
 #define SHMCACHE_HOT_PARAMS_H
 
-#ifndef PY_SSIZE_T_CLEAN
-#define PY_SSIZE_T_CLEAN
-#endif
-#include <Python.h>     /* before any system header, as Python requires */
-
 #include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 
-#define HOT_UNUSED __attribute__((unused))
+/* What the core's operations return besides their results. */
+#define HOT_SLOW (-1)       /* nothing changed: the slow path runs */
+#define HOT_NOMEM (-2)      /* nothing changed: no memory for a scratch buffer */
+#define HOT_REFUSED (-3)    /* nothing changed: the caller refused the result */
 
 /* The parameters Hot() takes, in this order (a tuple of ints). */
 enum {
@@ -39,18 +43,31 @@ enum {
     P_COUNT
 };
 
-/* Invariant: while has_view, base is the mapping's first byte and mutex and
- * c point into it; every offset in p that Hot_init checks lies inside it. */
+/* The chunk area (P_REFS_OFF, P_REF_SIZE bytes a chunk) is seen as int32
+ * words: chunk c is words [c*CW, c*CW + CW), word 0 its link, then CI block
+ * ids. A slot's loose list: P_S_HEAD is its first chunk, the partly filled
+ * one with ((count - 1) % CI) + 1 ids; the chunks it links to are full
+ * (see refs.py). A table's list runs the other way: P_T_HEAD its first,
+ * full chunk, P_T_TAIL the partly filled last one. The process-local map
+ * holds, for each block, the words of its loose ids. */
+#define CI 15
+#define CW 16
+
+/* Invariant: base is the mapping's first byte, len its size, and mutex and
+ * c point into it; every offset in p that hot_open checks lies inside it.
+ * nchunks is 0 (the fused ops off) until hot_set_chunks() checked that the
+ * chunks fit the mapping; gen_off and c_tokens are -1 until then. */
 typedef struct {
-    PyObject_HEAD
-    Py_buffer view;
-    int has_view;
     char *base;
+    int64_t len;
     pthread_mutex_t *mutex;
     int64_t *c;
-    Py_ssize_t p[P_COUNT];
+    int64_t p[P_COUNT];
     double created_at;
-} Hot;
+    int64_t nchunks;        /* chunk ids the fused ops accept: [0, nchunks) */
+    int64_t gen_off;        /* byte offset of a block record's generation (-1: off) */
+    int64_t c_tokens;       /* counter index of the seed's total_tokens_cached (-1: off) */
+} HotCore;
 
 #define BF(h, b, f, T) (*(T *)((h)->base + (h)->p[P_BLOCKS_OFF] + (int64_t)(b) * (h)->p[P_BLOCK_SIZE] + (h)->p[f]))
 #define REF(h, b) BF(h, b, P_B_REF, int32_t)
@@ -66,50 +83,102 @@ typedef struct {
 #define SF(h, s, f) (*(int32_t *)((h)->base + (h)->p[P_SLOTS_OFF] + (int64_t)(s) * (h)->p[P_SLOT_SIZE] + (h)->p[f]))
 #define C(h, i) ((h)->c[(h)->p[i]])
 
-/* The Hot object, with what the fused ops need beyond the parameters
- * (set_chunks): how many reference chunks there are, where a block record
- * keeps its generation, and the seed's token counter.
- *
- * The chunk area (P_REFS_OFF, P_REF_SIZE bytes a chunk) is seen as int32
- * words: chunk c is words [c*CW, c*CW + CW), word 0 its link, then CI block
- * ids. A slot's loose list: P_S_HEAD is its first chunk, the partly filled
- * one with ((count - 1) % CI) + 1 ids; the chunks it links to are full
- * (see refs.py). A table's list runs the other way: P_T_HEAD its first,
- * full chunk, P_T_TAIL the partly filled last one. The process-local map
- * holds, for each block, the words of its loose ids.
- *
- * Invariant: nchunks is 0 (the fused ops off) until set_chunks() checked
- * that the chunks fit the mapping; gen_off and c_tokens are -1 until then. */
-#define CI 15
-#define CW 16
-
-typedef struct {
-    Hot h;
-    Py_ssize_t nchunks;     /* chunk ids the fused ops accept: [0, nchunks) */
-    Py_ssize_t gen_off;     /* byte offset of a block record's generation (-1: off) */
-    Py_ssize_t c_tokens;    /* counter index of the seed's total_tokens_cached (-1: off) */
-} HotX;
-
-#define NCHUNKS(h) (((HotX *)(h))->nchunks)
+#define NCHUNKS(h) ((h)->nchunks)
 #define IS_BLOCK(h, b) ((b) >= 1 && (b) < (h)->p[P_MAX_BLOCKS])
 #define IS_CHUNK(h, c) ((c) >= 0 && (c) < NCHUNKS(h))
 #define W(h, g) (((int32_t *)((h)->base + (h)->p[P_REFS_OFF]))[g])
 #define GEN(h, b) (*(uint32_t *)((h)->base + (h)->p[P_BLOCKS_OFF] + \
-                                  (int64_t)(b) * (h)->p[P_BLOCK_SIZE] + ((HotX *)(h))->gen_off))
+                                  (int64_t)(b) * (h)->p[P_BLOCK_SIZE] + (h)->gen_off))
 #define NCH_FOR(n) (((n) + CI - 1) / CI)
 
-static HOT_UNUSED int
-hot_ready(Hot *h)
+/* View the mapping (buf, len bytes, writable) through the P_COUNT offsets
+ * of params: NULL, or why not (the binding raises ValueError with it; h is
+ * then not to be used). The fused ops stay off until hot_set_chunks(). */
+static inline const char *
+hot_open(HotCore *h, void *buf, int64_t len, const int64_t *params, double created_at)
 {
-    if (!h->has_view) {
-        PyErr_SetString(PyExc_ValueError, "pool mapping already released");
+    const int64_t *p = params;
+    for (int i = 0; i < P_COUNT; i++)
+        h->p[i] = p[i];
+    /* the counters (64 int64) are written when a dead holder is found */
+    if (len < p[P_MUTEX_OFF] + (int64_t)sizeof(pthread_mutex_t) ||
+        len < p[P_COUNTERS_OFF] + 64 * 8)
+        return "buffer too small for the pool mutex and counters";
+    /* the fused ops index blocks (with the two sentinels) and slots: those
+     * arrays must lie inside the mapping */
+    if (p[P_MAX_SLOTS] > 0 &&
+        (p[P_MAX_BLOCKS] < 1 || p[P_BLOCKS_OFF] < 0 || p[P_SLOTS_OFF] < 0 ||
+         p[P_BLOCKS_OFF] + (p[P_MAX_BLOCKS] + 2) * p[P_BLOCK_SIZE] > len ||
+         p[P_SLOTS_OFF] + p[P_MAX_SLOTS] * p[P_SLOT_SIZE] > len))
+        return "buffer too small for the pool's blocks and slots";
+    /* find_chain indexes the prefix index (a power of two of int32 slots) */
+    if (p[P_HASH_CAP] > 0 &&
+        ((p[P_HASH_CAP] & (p[P_HASH_CAP] - 1)) || p[P_HASH_OFF] < 0 ||
+         p[P_B_HASH] < 0 || p[P_B_HASH] + 16 > p[P_BLOCK_SIZE] ||
+         p[P_HASH_OFF] + p[P_HASH_CAP] * 4 > len))
+        return "buffer too small for the pool's prefix index";
+    /* the table ops index table records, and the request-id index (a power
+     * of two of int32 slots) */
+    if (p[P_MAX_TABLES] > 0 &&
+        (p[P_TABLES_OFF] < 0 || p[P_TABLE_SIZE] < 4 ||
+         p[P_TABLES_OFF] + p[P_MAX_TABLES] * p[P_TABLE_SIZE] > len ||
+         p[P_TINDEX_CAP] <= 0 || (p[P_TINDEX_CAP] & (p[P_TINDEX_CAP] - 1)) ||
+         p[P_TINDEX_OFF] < 0 ||
+         p[P_TINDEX_OFF] + p[P_TINDEX_CAP] * 4 > len ||
+         p[P_RID_BYTES] <= 0 || p[P_T_RID] < 0 ||
+         p[P_T_RID] + p[P_RID_BYTES] > p[P_TABLE_SIZE] ||
+         p[P_T_RHASH] < 0 || p[P_T_RHASH] + 8 > p[P_TABLE_SIZE]))
+        return "buffer too small for the pool's tables";
+    h->base = (char *)buf;
+    h->len = len;
+    h->mutex = (pthread_mutex_t *)(h->base + p[P_MUTEX_OFF]);
+    h->c = (int64_t *)(h->base + p[P_COUNTERS_OFF]);
+    h->created_at = created_at;
+    /* the fused ops stay off until hot_set_chunks() says what they need */
+    h->nchunks = 0;
+    h->gen_off = -1;
+    h->c_tokens = -1;
+    return NULL;
+}
+
+/* The most chunks that fit between the chunks' offset and the end of the
+ * mapping (0 when the fused ops are off, or the record size is not a
+ * chunk's). */
+static inline int64_t
+hot_chunks_room(const HotCore *h)
+{
+    if (h->p[P_MAX_SLOTS] <= 0 || h->p[P_REF_SIZE] != CW * 4 || h->p[P_REFS_OFF] <= 0 ||
+        h->p[P_REFS_OFF] >= h->len)
         return 0;
-    }
-    return 1;
+    return (h->len - h->p[P_REFS_OFF]) / h->p[P_REF_SIZE];
+}
+
+/* set_chunks(nchunks, gen_off, c_tokens): the pool's chunk count (at most
+ * what fits the mapping, hot_chunks_room), a block record's generation
+ * offset and the counter of the seed's token count. 0; -1 (nothing set)
+ * when the chunks do not fit, -2 for a bad offset or counter. */
+static inline int
+hot_set_chunks(HotCore *h, int64_t n, int64_t gen_off, int64_t c_tokens)
+{
+    if (n < 0 || n > hot_chunks_room(h))
+        return -1;
+    if (gen_off < 0 || gen_off + 4 > h->p[P_BLOCK_SIZE] || c_tokens < 0 || c_tokens >= 64)
+        return -2;
+    h->nchunks = n;
+    h->gen_off = gen_off;
+    h->c_tokens = c_tokens;
+    return 0;
+}
+
+/* Whether v is a block id the fused ops accept: in [1, max_blocks). */
+static inline int
+hot_is_block(const HotCore *h, long long v)
+{
+    return IS_BLOCK(h, v);
 }
 
 /* qsort order of block ids (free and table_drop count repeated ids). */
-static HOT_UNUSED int
+static inline int
 cmp_i32(const void *a, const void *b)
 {
     int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;

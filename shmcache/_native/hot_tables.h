@@ -1,80 +1,74 @@
 /* shmcache/_native/hot_tables.h: the table ops that create and delete a
  * block table, in C: table_new() (core._new_table after the request id's
  * key is known) and table_drop() (tables.delete_block_table's release), and
- * the checks every lock-held table op starts with. Included by hot.c, and
- * by hot_append.h (the ops that grow a table's list).
+ * the checks every lock-held table op starts with. Included by hot.cpp,
+ * and by hot_append.h (the ops that grow a table's list).
  *
  * The table ops, and find_chain() (hot_index.h), run inside a lock hold the
  * caller (PoolLock) took: the pool is marked dirty for the whole hold, so a
  * holder killed at any instruction leaves a pool the next holder repairs,
  * and the caller has synced its view. They check first (every index read
- * from shared memory in range) and return None having changed nothing when
- * anything is off; the Python path then raises, or repairs, exactly as it
- * would have. Once the checks pass the writes cannot fail.
+ * from shared memory in range) and return HOT_SLOW having changed nothing
+ * when anything is off (the binding returns None); the Python path then
+ * raises, or repairs, exactly as it would have. Once the checks pass the
+ * writes cannot fail.
  */
 #ifndef SHMCACHE_HOT_TABLES_H
 #define SHMCACHE_HOT_TABLES_H
 
-#include "hot_mutex.h"     /* first: it includes Python.h */
+#include "hot_mutex.h"
 
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 /* The fused ops are on, t is a live table, and this thread holds the lock. */
-static HOT_UNUSED int
-table_ops_on(Hot *h, Py_ssize_t t)
+static inline int
+hot_table_ops_on(const HotCore *h, int64_t t)
 {
-    return NCHUNKS(h) > 0 && ((HotX *)h)->c_tokens >= 0 && h->p[P_MAX_TABLES] > 0 &&
+    return NCHUNKS(h) > 0 && h->c_tokens >= 0 && h->p[P_MAX_TABLES] > 0 &&
            t >= 0 && t < h->p[P_MAX_TABLES] && TF(h, t, P_T_STATE) == 1 && held_here(h);
 }
 
-/* table_new(raw, h, slot) -> the new table, or None (nothing changed).
- * core._new_table after the request id's key (raw bytes, 64-bit hash h,
+/* table_new(raw, hash, slot): the new table, or HOT_SLOW (nothing changed).
+ * core._new_table after the request id's key (raw: n bytes, 64-bit hash,
  * refs.rid_key) is known: no live table may have it (the request-id index
- * probed from h's home slot: an entry's record holds raw, NUL-padded), the
- * lowest free table is taken, its record written, the entry put in the
+ * probed from hash's home slot: an entry's record holds raw, NUL-padded),
+ * the lowest free table is taken, its record written, the entry put in the
  * first empty slot of the probe (where the probe stopped), then the state
- * set (the commit) and the table counter bumped. None when the id is
+ * set (the commit) and the table counter bumped. HOT_SLOW when the id is
  * taken, no table is free, or the probe meets an entry out of range or
  * goes all the way round: the Python path raises. The caller holds the
  * lock. */
-static HOT_UNUSED PyObject *
-Hot_table_new(Hot *h, PyObject *args)
+static inline int64_t
+hot_table_new(HotCore *h, const char *raw, int64_t n, uint64_t hash, int slot)
 {
-    const char *raw;
-    Py_ssize_t n, t, i, probes, mask;
-    unsigned long long hash;
-    int slot;
+    int64_t t, i, probes, mask;
     int32_t *slots;
 
-    if (!PyArg_ParseTuple(args, "y#Ki", &raw, &n, &hash, &slot))
-        return NULL;
-    if (!hot_ready(h))
-        return NULL;
     if (NCHUNKS(h) <= 0 || h->p[P_MAX_TABLES] <= 0 || n <= 0 || n > h->p[P_RID_BYTES] ||
         memchr(raw, 0, n) || !held_here(h))
-        Py_RETURN_NONE;
+        return HOT_SLOW;
     mask = h->p[P_TINDEX_CAP] - 1;
     slots = (int32_t *)(h->base + h->p[P_TINDEX_OFF]);
-    for (i = (Py_ssize_t)(hash & (uint64_t)mask), probes = 0; probes <= mask;
+    for (i = (int64_t)(hash & (uint64_t)mask), probes = 0; probes <= mask;
          probes++, i = (i + 1) & mask) {
         int32_t e = slots[i];
         const char *rid;
         if (e < 0)
             break;
         if (e >= h->p[P_MAX_TABLES])
-            Py_RETURN_NONE;
+            return HOT_SLOW;
         rid = h->base + h->p[P_TABLES_OFF] + (int64_t)e * h->p[P_TABLE_SIZE] + h->p[P_T_RID];
         if (!memcmp(rid, raw, n) && (n == h->p[P_RID_BYTES] || rid[n] == 0))
-            Py_RETURN_NONE;                 /* taken (trailing NULs are padding) */
+            return HOT_SLOW;                /* taken (trailing NULs are padding) */
     }
     if (probes > mask)
-        Py_RETURN_NONE;
+        return HOT_SLOW;
     for (t = 0; t < h->p[P_MAX_TABLES] && TF(h, t, P_T_STATE) != 0; t++)
         ;
     if (t == h->p[P_MAX_TABLES])
-        Py_RETURN_NONE;
+        return HOT_SLOW;
     {
         char *rec = h->base + h->p[P_TABLES_OFF] + (int64_t)t * h->p[P_TABLE_SIZE];
         memcpy(rec + h->p[P_T_RID], raw, n);
@@ -89,10 +83,11 @@ Hot_table_new(Hot *h, PyObject *args)
         TF(h, t, P_T_STATE) = 1;            /* commit */
         C(h, P_C_NUM_TABLES) += 1;
     }
-    return PyLong_FromSsize_t(t);
+    return t;
 }
 
-/* table_drop(t) -> references released, or None (nothing changed).
+/* table_drop(t): references released, or HOT_SLOW (nothing changed), or
+ * HOT_NOMEM (nothing changed).
  * Live table t's list emptied and its references released last block
  * first, as tables.delete_block_table does with refs.pop_table and
  * reclaim.release_block; the table's state and the table counter too
@@ -100,37 +95,32 @@ Hot_table_new(Hot *h, PyObject *args)
  * the entry in the same hold. Checked first: the chain (each chunk in
  * range, the last linking to -1, so no cycle), every id a block, every
  * block's ref_count at least the ids naming it, and the free list's ends. */
-static HOT_UNUSED PyObject *
-Hot_table_drop(Hot *h, PyObject *args)
+static inline int64_t
+hot_table_drop(HotCore *h, int64_t t)
 {
-    Py_ssize_t t, i, k, len;
+    int64_t i, k, len, result = HOT_SLOW;
     int32_t stack_b[256], stack_c[32], *bs = stack_b, *cs = stack_c, *sorted = NULL;
-    PyObject *result = Py_None;
 
-    if (!PyArg_ParseTuple(args, "n", &t))
-        return NULL;
-    if (!hot_ready(h))
-        return NULL;
-    if (!table_ops_on(h, t))
-        Py_RETURN_NONE;
+    if (!hot_table_ops_on(h, t))
+        return HOT_SLOW;
     len = TF(h, t, P_T_LEN);
     k = NCH_FOR(len);
     if (len < 0 || k > NCHUNKS(h))
-        Py_RETURN_NONE;
+        return HOT_SLOW;
     if (len > 128) {
-        bs = PyMem_Malloc(2 * len * sizeof(int32_t));
-        cs = PyMem_Malloc((k + 1) * sizeof(int32_t));
+        bs = (int32_t *)malloc(2 * len * sizeof(int32_t));
+        cs = (int32_t *)malloc((k + 1) * sizeof(int32_t));
         if (!bs || !cs) {
-            PyMem_Free(bs);
-            PyMem_Free(cs);
-            return PyErr_NoMemory();
+            free(bs);
+            free(cs);
+            return HOT_NOMEM;
         }
     }
     sorted = bs + len;
     {
         const int32_t HEAD = (int32_t)h->p[P_MAX_BLOCKS], TAIL = HEAD + 1;
         const uint16_t CACHED = (uint16_t)h->p[P_FLAG_CACHED];
-        const Py_ssize_t CT = ((HotX *)h)->c_tokens;
+        const int64_t CT = h->c_tokens;
         int32_t c = TF(h, t, P_T_HEAD), nf, lt;
         for (i = 0; i < k; i++) {
             if (!IS_CHUNK(h, c))
@@ -149,7 +139,7 @@ Hot_table_drop(Hot *h, PyObject *args)
         if (len > 1)
             qsort(sorted, len, sizeof(int32_t), cmp_i32);
         for (i = 0; i < len;) {
-            Py_ssize_t j = i;
+            int64_t j = i;
             while (j < len && sorted[j] == sorted[i])
                 j++;
             if (REF(h, sorted[i]) < j - i)
@@ -195,15 +185,13 @@ Hot_table_drop(Hot *h, PyObject *args)
             }
             C(h, P_C_NUM_FREE) += 1;
         }
-        result = PyLong_FromSsize_t(len);
+        result = len;
     }
 done:
     if (bs != stack_b) {
-        PyMem_Free(bs);
-        PyMem_Free(cs);
+        free(bs);
+        free(cs);
     }
-    if (result == Py_None)
-        Py_INCREF(result);
     return result;
 }
 

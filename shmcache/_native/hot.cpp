@@ -1,0 +1,566 @@
+// shmcache._hot: the pool mutex, the two operations a scheduler calls on
+// every step (allocate blocks, free a batch of them), and the table calls
+// of a request's life (take a cached prefix into a table, append, delete),
+// in C, bound with nanobind.
+//
+// This file is the binding: the Hot object (its creation, set_chunks, its
+// release) and its methods, which convert the arguments, call the core and
+// turn its codes into Python results: HOT_SLOW into None (the Python path
+// runs), HOT_NOMEM into MemoryError, an errno into OSError. It is the one
+// translation unit; the core is in headers it includes, plain C/C++ with no
+// Python, one role each:
+//   hot_params.h    HotCore: the pool fields the core reaches, and their checks;
+//   hot_mutex.h     the robust pool mutex, and how a fused op takes it;
+//   hot_localmap.h  the process-local map of a slot's loose references
+//                   (loosemap.py's int32 array, shared with numpy);
+//   hot_loose.h     alloc() and free(): fused, they take the lock themselves
+//                   and only ever try it (None: the slow path runs);
+//   hot_tables.h    table_new(), table_drop(), and the checks of the table
+//                   ops, which run inside a lock hold the Python caller took;
+//   hot_append.h    table_take(), table_append(): a table's list grows;
+//   hot_index.h     find_chain(): the prefix lookup, in the same lock hold.
+// The Python paths stay the reference (fastpath.py, tables.py, prefix.py,
+// index.py): each C path does what its Python path does (a table op, what
+// it does after its lookups), and None means the Python path runs.
+//
+// NOTE: the arguments are taken as handles and converted as the
+// PyArg_ParseTuple codes of the C module this replaces did ("n", "i", "L",
+// "d", "K", "y#", "w*"), not by nanobind's casters: the same types pass and
+// the same exceptions are raised (an int too large is an OverflowError, a
+// bool is an int but free() and table_take() refuse anything that is not
+// exactly an int as a block id), and a handle costs no conversion.
+// The pool's mapping is held (PyObject_GetBuffer, writable) for the
+// object's life, until release(); the loose map for one call.
+#include <nanobind/nanobind.h>
+
+#include <climits>
+#include <cstdint>
+#include <cstdlib>
+#include <new>
+
+#include "hot_params.h"
+#include "hot_mutex.h"
+#include "hot_loose.h"
+#include "hot_tables.h"
+#include "hot_append.h"
+#include "hot_index.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+// The Python object. Invariant: while has_view, core views view's buffer.
+struct Hot {
+    Py_buffer view;
+    bool has_view = false;
+    HotCore core;
+
+    Hot() = default;
+    Hot(const Hot &) = delete;
+    Hot &operator=(const Hot &) = delete;
+    ~Hot() { release(); }
+
+    void release() {
+        if (has_view) {
+            PyBuffer_Release(&view);
+            has_view = false;
+        }
+    }
+};
+
+long lock_slices_expired;   // this process's count, for tests (lock_bounded)
+
+[[noreturn]] void throw_error() { throw nb::python_error(); }
+
+[[noreturn]] void raise_no_memory() {
+    PyErr_NoMemory();
+    throw_error();
+}
+
+// PyArg_ParseTuple's message for an argument of the wrong type.
+[[noreturn]] void raise_wrong_type(int argn, const char *expected, nb::handle o) {
+    PyErr_Format(PyExc_TypeError, "argument %d must be %.50s, not %.50s", argn, expected,
+                 o.is_none() ? "None" : Py_TYPE(o.ptr())->tp_name);
+    throw_error();
+}
+
+HotCore *ready(Hot &h) {
+    if (!h.has_view)
+        throw nb::value_error("pool mapping already released");
+    return &h.core;
+}
+
+// ------------------------------------------------- the argument conversions
+
+Py_ssize_t as_n(nb::handle o) {             // "n": an int, or an object with __index__
+    PyObject *p = o.ptr();
+    Py_ssize_t v;
+    if (PyLong_CheckExact(p)) {
+        v = PyLong_AsSsize_t(p);
+    } else {
+        PyObject *i = PyNumber_Index(p);
+        if (!i)
+            throw_error();
+        v = PyLong_AsSsize_t(i);
+        Py_DECREF(i);
+    }
+    if (v == -1 && PyErr_Occurred())
+        throw_error();
+    return v;
+}
+
+int as_i(nb::handle o) {                    // "i"
+    long v = PyLong_AsLong(o.ptr());
+    if (v == -1 && PyErr_Occurred())
+        throw_error();
+    if (v > INT_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "signed integer is greater than maximum");
+        throw_error();
+    }
+    if (v < INT_MIN) {
+        PyErr_SetString(PyExc_OverflowError, "signed integer is less than minimum");
+        throw_error();
+    }
+    return (int)v;
+}
+
+long long as_L(nb::handle o) {              // "L"
+    long long v = PyLong_AsLongLong(o.ptr());
+    if (v == -1 && PyErr_Occurred())
+        throw_error();
+    return v;
+}
+
+double as_d(nb::handle o) {                 // "d"
+    if (PyFloat_CheckExact(o.ptr()))
+        return PyFloat_AS_DOUBLE(o.ptr());
+    double v = PyFloat_AsDouble(o.ptr());
+    if (v == -1.0 && PyErr_Occurred())
+        throw_error();
+    return v;
+}
+
+uint64_t as_K(nb::handle o, int argn) {     // "K": an int, masked to 64 bits
+    if (!PyLong_Check(o.ptr()))
+        raise_wrong_type(argn, "int", o);
+    return (uint64_t)PyLong_AsUnsignedLongLongMask(o.ptr());
+}
+
+// "y#": bytes, or a read-only bytes-like object (none that must be released).
+const char *as_y(nb::handle o, int argn, Py_ssize_t *n) {
+    PyObject *p = o.ptr();
+    if (PyBytes_Check(p)) {
+        *n = PyBytes_GET_SIZE(p);
+        return PyBytes_AS_STRING(p);
+    }
+    PyBufferProcs *pb = Py_TYPE(p)->tp_as_buffer;
+    if (pb && pb->bf_releasebuffer)
+        raise_wrong_type(argn, "read-only bytes-like object", o);
+    Py_buffer v;
+    if (PyObject_GetBuffer(p, &v, PyBUF_SIMPLE) < 0)
+        throw_error();                      // (its TypeError, as PyArg_ParseTuple's)
+    *n = v.len;
+    const char *buf = (const char *)v.buf;
+    PyBuffer_Release(&v);
+    return buf;
+}
+
+// "w*": a writable C-contiguous buffer, held until the end of the call.
+struct WritableBuffer {
+    Py_buffer v;
+    bool held = false;
+
+    WritableBuffer(nb::handle o, int argn) {
+        if (PyObject_GetBuffer(o.ptr(), &v, PyBUF_WRITABLE) < 0) {
+            PyErr_Clear();
+            raise_wrong_type(argn, "read-write bytes-like object", o);
+        }
+        if (!PyBuffer_IsContiguous(&v, 'C')) {
+            PyBuffer_Release(&v);
+            raise_wrong_type(argn, "contiguous buffer", o);
+        }
+        held = true;
+    }
+    WritableBuffer(const WritableBuffer &) = delete;
+    WritableBuffer &operator=(const WritableBuffer &) = delete;
+    ~WritableBuffer() {
+        if (held)
+            PyBuffer_Release(&v);
+    }
+};
+
+// Block ids read from Python: on the stack up to N, else on the heap.
+template <int64_t N>
+struct Ids {
+    int32_t stack[N];
+    int32_t *p = stack;
+
+    explicit Ids(int64_t n) {
+        if (n > N) {
+            p = (int32_t *)malloc((size_t)n * sizeof(int32_t));
+            if (!p)
+                raise_no_memory();
+        }
+    }
+    Ids(const Ids &) = delete;
+    Ids &operator=(const Ids &) = delete;
+    ~Ids() {
+        if (p != stack)
+            free(p);
+    }
+};
+
+// The block ids of a sequence (PySequence_Fast's), into bs: false when one
+// is not exactly an int in [1, max_blocks) (the Python path then says why).
+bool read_ids(const HotCore *h, PyObject *fast, int32_t *bs, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *o = PySequence_Fast_GET_ITEM(fast, i);
+        if (!PyLong_CheckExact(o))
+            return false;
+        long v = PyLong_AsLong(o);
+        if (!hot_is_block(h, v)) {
+            PyErr_Clear();
+            return false;
+        }
+        bs[i] = (int32_t)v;
+    }
+    return true;
+}
+
+// The manager's LooseMap array as the core's map: ValueError when its size
+// is not the one LooseMap gives a pool of h's sizes.
+void open_map(const HotCore *h, const WritableBuffer &lv, LMap *lm) {
+    if (lm_open(h, lv.v.buf, lv.v.len, lm) < 0) {
+        long long b = lm_blocks(h), w = lm_words(h);
+        PyErr_Format(PyExc_ValueError, "the loose map must be a writable int32 array of "
+                     "%lld items (2 * %lld blocks + 2 * %lld words), got %zd bytes",
+                     2 * b + 2 * w, b, w, lv.v.len);
+        throw_error();
+    }
+}
+
+nb::object int_result(int64_t v) {
+    PyObject *o = PyLong_FromLongLong(v);
+    if (!o)
+        throw_error();
+    return nb::steal(o);
+}
+
+nb::object fast_seq(nb::handle seq, const char *what) {
+    return nb::steal(PySequence_Fast(seq.ptr(), what));
+}
+
+// ------------------------------------------------------- the Hot object
+
+// Hot(buffer, params, created_at=0.0): the pool mutex and fused operations
+// over a writable buffer of the pool's mapping (held until release()), with
+// the offsets of params (a tuple of ints, in hot_params.h's P_ order).
+void hot_init(Hot *self, nb::handle buf, nb::handle params, nb::handle created_at_) {
+    if (!PyTuple_Check(params.ptr()))
+        raise_wrong_type(2, "tuple", params);
+    double created_at = as_d(created_at_);
+    if (PyTuple_GET_SIZE(params.ptr()) != P_COUNT) {
+        PyErr_Format(PyExc_ValueError, "Hot() takes %d parameters, got %zd",
+                     (int)P_COUNT, PyTuple_GET_SIZE(params.ptr()));
+        throw_error();
+    }
+    int64_t p[P_COUNT];
+    for (int i = 0; i < P_COUNT; i++) {
+        Py_ssize_t v = PyLong_AsSsize_t(PyTuple_GET_ITEM(params.ptr(), i));
+        if (v == -1 && PyErr_Occurred())
+            throw_error();
+        p[i] = v;
+    }
+    // (constructed before the buffer is taken into it; nanobind destroys
+    // the object only once this returns, so every failure below releases)
+    Hot *h = new (self) Hot();
+    if (PyObject_GetBuffer(buf.ptr(), &h->view, PyBUF_WRITABLE | PyBUF_SIMPLE) < 0)
+        throw_error();
+    h->has_view = true;
+    if (const char *why = hot_open(&h->core, h->view.buf, h->view.len, p, created_at)) {
+        h->release();
+        throw nb::value_error(why);
+    }
+}
+
+nb::object hot_set_chunks_py(Hot &self, nb::handle n_, nb::handle gen_off_, nb::handle c_tokens_) {
+    Py_ssize_t n = as_n(n_), gen_off = as_n(gen_off_), c_tokens = as_n(c_tokens_);
+    HotCore *h = ready(self);
+    int e = hot_set_chunks(h, n, gen_off, c_tokens);
+    if (e == -1) {
+        PyErr_Format(PyExc_ValueError, "%zd chunks do not fit the mapping (room for %zd)",
+                     n, (Py_ssize_t)hot_chunks_room(h));
+        throw_error();
+    }
+    if (e < 0)
+        throw nb::value_error("bad generation offset or token counter");
+    return nb::none();
+}
+
+// ---------------------------------------------------------------- the mutex
+
+[[noreturn]] void raise_errno(int e) {
+    errno = e;
+    PyErr_SetFromErrno(PyExc_OSError);
+    throw_error();
+}
+
+nb::object hot_init_mutex_py(Hot &self) {
+    int e = hot_init_mutex(ready(self));
+    if (e)
+        raise_errno(e);
+    return nb::none();
+}
+
+nb::object hot_trylock_py(Hot &self) {
+    return int_result(hot_trylock(ready(self)));
+}
+
+nb::object hot_lock_py(Hot &self) {
+    HotCore *h = ready(self);
+    int e;
+    {
+        nb::gil_scoped_release unlocked;
+        e = hot_lock(h, &lock_slices_expired);
+    }
+    if (e == 0 || e == EOWNERDEAD)
+        return int_result(e == EOWNERDEAD);
+    raise_errno(e);
+}
+
+nb::object hot_unlock_py(Hot &self) {
+    int e = hot_unlock(ready(self));
+    if (e)
+        raise_errno(e);
+    return nb::none();
+}
+
+// ------------------------------------------------------- the fused ops
+
+// alloc(n, slot, epoch, loose) -> list of n block ids, or None.
+nb::object hot_alloc_py(Hot &self, nb::handle n_, nb::handle slot_, nb::handle epoch_,
+                        nb::handle loose) {
+    Py_ssize_t n = as_n(n_);
+    int slot = as_i(slot_);
+    long long epoch = as_L(epoch_);
+    WritableBuffer lv(loose, 4);
+    HotCore *h = ready(self);
+    // (more than the pool has: the slow path raises, before any allocation)
+    if (!hot_alloc_ok(h, n, slot))
+        return nb::none();
+    LMap lm;
+    open_map(h, lv, &lm);
+    Ids<64> ids(n);
+    int r = hot_alloc(h, n, slot, epoch, &lm, ids.p);
+    if (r == HOT_NOMEM)
+        raise_no_memory();
+    if (r == 0)
+        return nb::none();
+    // committed, the local map too: a failure here leaves the caller to
+    // rebuild the map from the slot's list (paged_cache.PagedCacheManager._native)
+    PyObject *list = PyList_New(n);
+    for (Py_ssize_t i = 0; list && i < n; i++) {
+        PyObject *bo = PyLong_FromLong(ids.p[i]);
+        if (!bo)
+            Py_CLEAR(list);
+        else
+            PyList_SET_ITEM(list, i, bo);
+    }
+    if (!list) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_MemoryError, "loose-reference map must be resynced");
+        throw_error();
+    }
+    return nb::steal(list);
+}
+
+// free(ids, slot, epoch, loose) -> number of blocks that became free, or
+// None (nothing changed) when an id is not an int in [1, max_blocks), is not
+// held loose by this slot as many times as listed, or the lock is busy: the
+// slow path then raises the precise error or waits.
+nb::object hot_free_py(Hot &self, nb::handle seq, nb::handle slot_, nb::handle epoch_,
+                       nb::handle loose) {
+    int slot = as_i(slot_);
+    long long epoch = as_L(epoch_);
+    WritableBuffer lv(loose, 4);
+    HotCore *h = ready(self);
+    if (!hot_free_ok(h, slot))
+        return nb::none();
+    LMap lm;
+    open_map(h, lv, &lm);
+    nb::object fast = fast_seq(seq, "ids must be a sequence");
+    if (!fast.is_valid())
+        throw_error();
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast.ptr());
+    if (n == 0)
+        return int_result(0);
+    Ids<64> bs(n);
+    if (!read_ids(h, fast.ptr(), bs.p, n))
+        return nb::none();
+    int64_t r = hot_free(h, bs.p, n, slot, epoch, &lm);
+    if (r == HOT_NOMEM)
+        raise_no_memory();
+    if (r < 0)
+        return nb::none();
+    return int_result(r);
+}
+
+// table_new(raw, hash, slot) -> the new table, or None (nothing changed).
+nb::object hot_table_new_py(Hot &self, nb::handle raw_, nb::handle hash_, nb::handle slot_) {
+    Py_ssize_t n;
+    const char *raw = as_y(raw_, 1, &n);
+    uint64_t hash = as_K(hash_, 2);
+    int slot = as_i(slot_);
+    int64_t t = hot_table_new(ready(self), raw, n, hash, slot);
+    if (t < 0)
+        return nb::none();
+    return int_result(t);
+}
+
+// table_drop(t) -> references released, or None (nothing changed).
+nb::object hot_table_drop_py(Hot &self, nb::handle t_) {
+    Py_ssize_t t = as_n(t_);
+    int64_t r = hot_table_drop(ready(self), t);
+    if (r == HOT_NOMEM)
+        raise_no_memory();
+    if (r < 0)
+        return nb::none();
+    return int_result(r);
+}
+
+// table_take(t, ids, now, tokens) -> len(ids), or None (nothing changed).
+nb::object hot_table_take_py(Hot &self, nb::handle t_, nb::handle seq, nb::handle now_,
+                             nb::handle tokens_) {
+    Py_ssize_t t = as_n(t_);
+    double now = as_d(now_);
+    Py_ssize_t tokens = as_n(tokens_);
+    HotCore *h = ready(self);
+    nb::object fast = fast_seq(seq, "ids must be a sequence");
+    if (!fast.is_valid()) {
+        // (a table op that would refuse anyway refuses before it reads ids)
+        if (!hot_table_ops_on(h, t)) {
+            PyErr_Clear();
+            return nb::none();
+        }
+        throw_error();
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast.ptr());
+    if (n <= 0 || n >= h->p[P_MAX_BLOCKS])      // (before sizing anything by n)
+        return nb::none();
+    Ids<256> bs(n);
+    if (!read_ids(h, fast.ptr(), bs.p, n))
+        return nb::none();
+    int64_t r = hot_table_take(h, t, bs.p, n, now, tokens);
+    if (r == HOT_NOMEM)
+        raise_no_memory();
+    if (r < 0)
+        return nb::none();
+    return int_result(r);
+}
+
+// table_append's accept: the list of the ids, built before the core's
+// first write, so that a MemoryError changes nothing.
+int build_list(void *ctx, const int32_t *ids, int64_t n) {
+    PyObject *list = PyList_New(n);
+    for (int64_t i = 0; list && i < n; i++) {
+        PyObject *o = PyLong_FromLong(ids[i]);
+        if (!o)
+            Py_CLEAR(list);
+        else
+            PyList_SET_ITEM(list, i, o);
+    }
+    *(PyObject **)ctx = list;
+    return list ? 0 : -1;
+}
+
+// table_append(t, n, bs, now) -> the ids of the blocks the n new tokens
+// land in, or None (nothing changed).
+nb::object hot_table_append_py(Hot &self, nb::handle t_, nb::handle n_, nb::handle bs_,
+                               nb::handle now_) {
+    Py_ssize_t t = as_n(t_), n = as_n(n_), bs = as_n(bs_);
+    double now = as_d(now_);
+    HotCore *h = ready(self);
+    int64_t span = hot_table_append_span(h, t, n, bs);
+    if (span < 0)
+        return nb::none();
+    Ids<64> out(span);
+    PyObject *list = nullptr;
+    int64_t r = hot_table_append(h, t, n, bs, now, out.p, span, build_list, &list);
+    if (r == HOT_REFUSED)
+        throw_error();
+    if (r == HOT_NOMEM)
+        raise_no_memory();
+    if (r < 0)
+        return nb::none();
+    return nb::steal(list);
+}
+
+// find_chain(hashes) -> the blocks of the longest cached run of hashes
+// from the first, or None (a probe met an entry out of range or went all
+// the way round: the Python path meets the same and raises). Each hash is
+// 16 bytes (else None).
+nb::object hot_find_chain_py(Hot &self, nb::handle seq) {
+    HotCore *h = ready(self);
+    if (!hot_index_on(h))
+        return nb::none();
+    nb::object fast = fast_seq(seq, "hashes must be a sequence");
+    if (!fast.is_valid())
+        throw_error();
+    nb::object out = nb::steal(PyList_New(0));
+    if (!out.is_valid())
+        throw_error();
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast.ptr());
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *o = PySequence_Fast_GET_ITEM(fast.ptr(), i);
+        if (!PyBytes_CheckExact(o) || PyBytes_GET_SIZE(o) != 16)
+            return nb::none();
+        int64_t e = hot_index_find(h, (const unsigned char *)PyBytes_AS_STRING(o));
+        if (e < 0)
+            return nb::none();
+        if (e == 0)
+            break;
+        PyObject *bo = PyLong_FromLong((long)e);
+        if (!bo)
+            throw_error();
+        int failed = PyList_Append(out.ptr(), bo);
+        Py_DECREF(bo);
+        if (failed)
+            throw_error();
+    }
+    return out;
+}
+
+}  // namespace
+
+NB_MODULE(_hot, m) {
+    m.doc() = "The pool mutex and fused hot paths of shmcache, in C (nanobind binding).";
+    // Pools still open at exit hold their Hot objects: not leaks to report.
+    nb::set_leak_warnings(false);
+
+    nb::class_<Hot>(m, "Hot", "Hot(buffer, params, created_at): the pool mutex and fused operations.")
+        .def("__init__", &hot_init, nb::arg("buf"), nb::arg("params"),
+             nb::arg("created_at") = 0.0)
+        .def("release", [](Hot &self) { self.release(); }, "Release the buffer (before unmapping).")
+        .def("set_chunks", &hot_set_chunks_py,
+             "set_chunks(nchunks, gen_off, c_tokens): what the fused ops need beyond the parameters.")
+        .def("init_mutex", &hot_init_mutex_py, "Initialise the robust mutex (creator only).")
+        .def("trylock", &hot_trylock_py, "0 locked, 1 locked after the holder died, -1 busy.")
+        .def("lock", &hot_lock_py, "Wait for the lock (GIL released); 1 if the holder died.")
+        .def("unlock", &hot_unlock_py, "Release the lock.")
+        .def("lock_slices", [](Hot &) { return lock_slices_expired; },
+             "Timed-lock slices this process let run out (a test hook).")
+        .def("alloc", &hot_alloc_py, "alloc(n, slot, epoch, loose) -> ids or None.")
+        .def("free", &hot_free_py, "free(ids, slot, epoch, loose) -> freed or None.")
+        .def("table_new", &hot_table_new_py,
+             "table_new(raw, hash, slot) -> table, or None (lock held by the caller).")
+        .def("table_drop", &hot_table_drop_py,
+             "table_drop(t) -> references released, or None (lock held by the caller).")
+        .def("table_take", &hot_table_take_py,
+             "table_take(t, ids, now, tokens) -> len(ids), or None (lock held by the caller).")
+        .def("find_chain", &hot_find_chain_py,
+             "find_chain(hashes) -> blocks of the longest cached run, or None (lock held by the caller).")
+        .def("table_append", &hot_table_append_py,
+             "table_append(t, n, bs, now) -> ids the tokens land in, or None (lock held by the caller).");
+
+    m.attr("MUTEX_SIZE") = (long)sizeof(pthread_mutex_t);
+}

@@ -17,7 +17,7 @@ setup: $(STAMP)
 		fi; \
 	fi
 
-$(STAMP): pyproject.toml setup.py shmcache/_native/hot.cpp $(wildcard shmcache/_native/hot_*.h) shmcache/_native/mlxbuf.cpp shmcache/_native/copy.h
+$(STAMP): pyproject.toml setup.py shmcache/_native/hot.cpp $(wildcard shmcache/_native/*.h) shmcache/_native/mlxbuf.cpp
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test]'

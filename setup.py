@@ -1,7 +1,7 @@
 """Build script for the native accelerators (everything else is in pyproject.toml).
 
 Both are C++ bound with nanobind (a build requirement), from
-``shmcache/_native/``. ``shmcache._hot`` (``hot.cpp``, the binding, over the
+``shmcache/_native/``. ``shmcache._hot`` (``hot.cpp`` and ``bind_args.h``, the binding, over the
 ``hot_*.h`` headers: a C core with no Python) holds the pool's robust mutex
 calls and the fused allocate/free and table paths; it is required on Linux,
 the platform shmcache runs on, so a build that cannot compile it fails
@@ -24,7 +24,7 @@ _LINUX = sys.platform.startswith("linux")
 # through pointer casts into one mapping
 _HOT_FLAGS = ["-O2", "-Wall", "-std=c++17", "-fvisibility=hidden", "-fno-strict-aliasing"]
 _HOT_HEADERS = ["hot_params.h", "hot_mutex.h", "hot_localmap.h", "hot_loose.h",
-                "hot_tables.h", "hot_append.h", "hot_index.h"]
+                "hot_tables.h", "hot_append.h", "hot_index.h", "bind_args.h"]
 
 
 def _hot():
@@ -44,8 +44,9 @@ def _hot():
         depends=[f"shmcache/_native/{h}" for h in _HOT_HEADERS],
         optional=not _LINUX, language="c++",
         include_dirs=[nanobind.include_dir(), os.path.join(nb, "..", "ext", "robin_map", "include")],
-        # no NB_DOMAIN: nanobind's default domain, not MLX's (_mlxbuf's)
-        define_macros=[("NB_COMPACT_ASSERTIONS", None), ("NDEBUG", None)],
+        # a domain of its own (not MLX's, which _mlxbuf joins, nor the
+        # default one): its types and its leak-warning setting stay its own
+        define_macros=[("NB_DOMAIN", "shmcache"), ("NB_COMPACT_ASSERTIONS", None), ("NDEBUG", None)],
         extra_compile_args=_HOT_FLAGS,
     )]
 

@@ -26,6 +26,8 @@ from shmcache import layout as L
 from shmcache import lock as shlock
 from shmcache.refs import rid_key
 
+from _mutex import PythonOnly
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCENARIO = """
@@ -198,18 +200,6 @@ def test_alloc_checks_the_count_before_sizing_anything():
 
 # ------------------------------------------- the table ops: C against Python
 
-class _PythonOnly:
-    """The pool's own mutex with every fused C operation hidden, so that the
-    manager takes the Python path (a unit-test seam, nothing else)."""
-    alloc = free = table_new = table_drop = table_take = table_append = find_chain = None
-
-    def __init__(self, native) -> None:
-        self._n = native
-
-    def __getattr__(self, k):
-        return getattr(self._n, k)
-
-
 def _shared_state(m):
     """The segment's metadata the table ops touch, minus what differs between
     two pools by construction (seeds, times, lock bookkeeping)."""
@@ -294,7 +284,7 @@ def test_the_c_table_ops_leave_the_same_state_as_the_python_ones(max_blocks):
     kw = dict(block_size=4, max_blocks=max_blocks, max_tables=16)
     a = shmcache.PagedCacheManager(**kw)
     b = shmcache.PagedCacheManager(**kw)
-    b._p.native = b._p.lock.native = _PythonOnly(b._p.native)
+    b._p.native = b._p.lock.native = PythonOnly(b._p.native)
     calls = {"table_new": 0, "table_drop": 0, "table_take": 0, "table_append": 0,
              "find_chain": 0}
     a._p.native = a._p.lock.native = _Counted(a._p.native, calls)
@@ -377,7 +367,7 @@ def test_c_append_into_blocks_before_the_tail_chunk_matches_python():
     blocks than its tokens fill): table_append walks the chain."""
     a = shmcache.PagedCacheManager(block_size=4, max_blocks=64)
     b = shmcache.PagedCacheManager(block_size=4, max_blocks=64)
-    b._p.native = b._p.lock.native = _PythonOnly(b._p.native)
+    b._p.native = b._p.lock.native = PythonOnly(b._p.native)
     calls = {"table_append": 0}
     a._p.native = a._p.lock.native = _Counted(a._p.native, calls)
     try:

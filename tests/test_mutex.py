@@ -9,7 +9,6 @@ leave exactly the state the Python fast path (fastpath.py) leaves.
 
 from __future__ import annotations
 
-import mmap
 import os
 import random
 import subprocess
@@ -23,34 +22,8 @@ import shmcache
 from shmcache import layout as L
 from shmcache import lock as shlock, segment
 
+from _mutex import map_mutex, needs_c, python_only
 from _proc_client import lock_is_busy, wait_for_lock_waiter
-
-needs_c = pytest.mark.skipif(not shlock.ACCELERATED, reason="shmcache._hot is not built here")
-
-
-def _map(name):
-    fd = os.open(segment.path_for(name), os.O_RDWR)
-    try:
-        return mmap.mmap(fd, shlock.MUTEX_MAP_SIZE)
-    finally:
-        os.close(fd)
-
-
-class _PythonOnly:
-    """The pool's own mutex with the fused C operations hidden, so that the
-    manager takes its Python fast path (a unit-test seam, nothing else)."""
-    alloc = free = table_new = table_drop = table_take = table_append = find_chain = None
-
-    def __init__(self, native) -> None:
-        self._n = native
-
-    def __getattr__(self, k):
-        return getattr(self._n, k)
-
-
-def _python_only(m):
-    m._p.native = m._p.lock.native = _PythonOnly(m._p.native)
-    return m
 
 
 @pytest.mark.parametrize("pure", [False, True], ids=["c", "ctypes"])
@@ -66,7 +39,7 @@ def test_the_two_implementations_exclude_each_other_across_processes(make_pool, 
         assert child.call("native") == "RobustMutex"
         assert type(mgr._p.native).__name__ == "Hot"
     else:
-        _python_only(mgr)
+        python_only(mgr)
         mgr._p.native = mgr._p.lock.native = shlock.reference_mutex(mgr._p.mm)
     assert child.call("lock_enter") is True
     assert lock_is_busy(segment.path_for(mgr.name))
@@ -121,7 +94,7 @@ def test_a_dead_holder_hands_the_lock_on_and_marks_the_pool_dirty(make_pool, pur
         assert proc.wait(timeout=20) == 0
     finally:
         proc.kill()
-    mm = _map(mgr.name)
+    mm = map_mutex(mgr.name)
     m = shlock.open_mutex(mm) if not pure else shlock.reference_mutex(mm)
     try:
         assert m.trylock() == 1                 # taken from the dead holder
@@ -230,7 +203,7 @@ def _drive(m, seed: int) -> list:
 @needs_c
 def test_the_c_fast_paths_leave_the_same_state_as_the_python_ones():
     a = shmcache.PagedCacheManager(block_size=4, max_blocks=48)
-    b = _python_only(shmcache.PagedCacheManager(block_size=4, max_blocks=48))
+    b = python_only(shmcache.PagedCacheManager(block_size=4, max_blocks=48))
     try:
         b._root = a._root                        # same chain hashes in both
         for seed in range(4):
@@ -265,212 +238,3 @@ def test_the_c_fast_path_refuses_a_stale_view_and_a_dirty_pool(make_pool):
     assert mgr.check() == [] and mgr._refs.loose.blocks() == sorted(got)
     assert nat.free(got, p.slot, mgr._epoch, mgr._refs.loose.buf) == 2
     assert len(mgr._refs.loose) == 0 and mgr.free_blocks == 15 and mgr.check() == []
-
-
-# ----------------------------------------------------------------- lost wake-ups
-#
-# glibc's unlock wakes one waiter, and only when the lock word carries
-# FUTEX_WAITERS. Two ways a live waiter used to sleep forever on a free lock
-# follow; each test builds the sequence deterministically and asserts that the
-# waiter gets the lock within a bounded time, through a timed-lock slice that
-# ran out (``lock_slices``), i.e. nobody woke it.
-
-_HOLDER = textwrap.dedent("""
-    import ctypes, mmap, os, sys
-    from shmcache import layout as L, lock as shlock, segment
-    fd = os.open(segment.path_for(sys.argv[1]), os.O_RDWR)
-    mm = mmap.mmap(fd, shlock.MUTEX_MAP_SIZE)
-    m = shlock.open_mutex(mm)
-    assert m.trylock() == 0
-    print("locked", flush=True)
-    for cmd in sys.stdin:
-        cmd = cmd.strip()
-        if cmd == "clear":
-            # an unlocker's first half: the word (and owner) cleared, no wake
-            ctypes.c_int32.from_buffer(mm, L.MUTEX_OFF + 8).value = 0
-            ctypes.c_int32.from_buffer(mm, L.MUTEX_OFF).value = 0
-        elif cmd == "unlock":
-            m.unlock()
-        elif cmd == "exit":
-            os._exit(0)
-        print("ok", flush=True)
-""")
-
-
-def _holder(name, pure, **kw):
-    env = dict(os.environ)
-    env.pop("SHMCACHE_PURE", None)
-    if pure:
-        env["SHMCACHE_PURE"] = "1"
-    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, name], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env=env, **kw)
-    assert proc.stdout.readline().strip() == "locked"
-    return proc
-
-
-def _tell(proc, cmd):
-    proc.stdin.write(cmd + "\n")
-    proc.stdin.flush()
-    if cmd != "exit":
-        assert proc.stdout.readline().strip() == "ok"
-
-
-def _native_of(mgr, pure):
-    if pure:
-        _python_only(mgr)
-        mgr._p.native = mgr._p.lock.native = shlock.reference_mutex(mgr._p.mm)
-    return mgr._p.native
-
-
-@pytest.mark.parametrize("pure", [False, True], ids=["c", "ctypes"])
-@pytest.mark.timeout(60)
-def test_a_waiter_gets_a_lock_whose_unlocker_died_before_the_wake(make_pool, pure):
-    """The unlocker clears the lock word and is killed before its futex wake."""
-    if not shlock.ACCELERATED and not pure:
-        pytest.skip("shmcache._hot is not built here")
-    mgr = make_pool(max_blocks=16)
-    native = _native_of(mgr, pure)
-    path = segment.path_for(mgr.name)
-    holder = _holder(mgr.name, pure)
-    try:
-        got = {}
-        th = threading.Thread(target=lambda: got.setdefault("b", mgr.allocate_block()), daemon=True)
-        th.start()
-        wait_for_lock_waiter(path, os.getpid())       # asleep in futex(), word has FUTEX_WAITERS
-        slices = native.lock_slices()
-        _tell(holder, "clear")
-        _tell(holder, "exit")                          # dies without the wake
-        assert holder.wait(timeout=20) == 0
-        th.join(timeout=5)
-        assert not th.is_alive(), "the waiter sleeps on a free lock: lost wake-up"
-        assert got["b"] is not None
-        assert native.lock_slices() > slices          # a slice ran out: nobody woke it
-    finally:
-        holder.kill()
-    assert mgr.check() == []
-
-
-_SPIN = textwrap.dedent("""
-    import os, sys, time
-    os.sched_setaffinity(0, {int(sys.argv[1])})
-    os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(50))
-    print("spinning", flush=True)
-    end = time.monotonic() + float(sys.argv[2])
-    while time.monotonic() < end:
-        pass
-""")
-
-_WAITER = textwrap.dedent("""
-    import os, sys
-    import shmcache
-    os.sched_setaffinity(0, {int(sys.argv[2])})
-    mgr = shmcache.attach(sys.argv[1])
-    print("attached", flush=True)
-    sys.stdin.readline()
-    mgr.allocate_block()           # blocks on the lock; killed before it runs again
-""")
-
-
-def _can_run_fifo() -> bool:
-    try:
-        r = subprocess.run([sys.executable, "-c", "import os; os.sched_setscheduler(0, os.SCHED_FIFO,"
-                            " os.sched_param(1))"], timeout=20, capture_output=True)
-        return r.returncode == 0
-    except Exception:
-        return False
-
-
-@pytest.mark.parametrize("pure", [False, True], ids=["c", "ctypes"])
-@pytest.mark.timeout(90)
-def test_a_waiter_gets_the_lock_when_the_woken_waiter_is_killed_before_it_runs(make_pool, pure):
-    """The sequence of the review: the holder unlocks and the kernel wakes W1;
-    before W1 runs (a SCHED_FIFO busy loop holds its CPU) a third locker takes
-    the free lock by CAS, so the word has no FUTEX_WAITERS bit; W1 is SIGKILLed
-    (the kernel's exit handling wakes nobody: the word names a live owner);
-    the third unlocks without a wake. W2 must still get the lock."""
-    if not shlock.ACCELERATED and not pure:
-        pytest.skip("shmcache._hot is not built here")
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        pytest.skip("needs two CPUs: one to hold the woken waiter off")
-    if not _can_run_fifo():
-        pytest.skip("SCHED_FIFO is not permitted here (needs CAP_SYS_NICE)")
-    cpu_a, cpu_b = cpus[0], cpus[1]
-    old_aff = os.sched_getaffinity(0)
-    mgr = make_pool(max_blocks=16)
-    native = _native_of(mgr, pure)
-    path = segment.path_for(mgr.name)
-    env = dict(os.environ)
-    env.pop("SHMCACHE_PURE", None)
-    if pure:
-        env["SHMCACHE_PURE"] = "1"
-    procs = []
-    mm = _map(mgr.name)
-    third = shlock.open_mutex(mm) if not pure else shlock.reference_mutex(mm)
-    try:
-        os.sched_setaffinity(0, {cpu_a})
-        w1 = subprocess.Popen([sys.executable, "-c", _WAITER, mgr.name, str(cpu_b)],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        procs.append(w1)
-        assert w1.stdout.readline().strip() == "attached"   # (attaching takes the lock)
-        holder = _holder(mgr.name, pure)
-        procs.append(holder)
-        w1.stdin.write("go\n")
-        w1.stdin.flush()
-        wait_for_lock_waiter(path, w1.pid)              # W1 first in the futex queue
-        got = {}
-
-        def w2():
-            os.sched_setaffinity(0, {cpu_a})
-            got["b"] = mgr.allocate_block()
-        th = threading.Thread(target=w2, daemon=True)
-        th.start()
-        wait_for_lock_waiter(path, os.getpid())         # W2 second
-        slices = native.lock_slices()
-        spin = subprocess.Popen([sys.executable, "-c", _SPIN, str(cpu_b), "0.6"],
-                                stdout=subprocess.PIPE, text=True)
-        procs.append(spin)
-        assert spin.stdout.readline().strip() == "spinning"
-        _tell(holder, "unlock")                         # wakes W1, which cannot run
-        assert third.trylock() == 0                     # the third locker's CAS
-        w1.kill()                                       # killed before it ran
-        assert spin.wait(timeout=30) == 0
-        w1.wait(timeout=30)
-        third.unlock()                                  # no FUTEX_WAITERS: no wake
-        th.join(timeout=5)
-        assert not th.is_alive(), "W2 sleeps on a free lock: lost wake-up"
-        assert got["b"] is not None
-        assert native.lock_slices() > slices            # a slice ran out: nobody woke it
-    finally:
-        os.sched_setaffinity(0, old_aff)
-        for p in procs:
-            p.kill()
-        third.release()
-        mm.close()
-    assert mgr.check() == []
-
-
-@pytest.mark.parametrize("pure", [False, True], ids=["c", "ctypes"])
-@pytest.mark.timeout(60)
-def test_a_lock_word_naming_a_dead_thread_is_taken_over(make_pool, pure):
-    """A lock word that names a thread that no longer exists, which the
-    kernel never marked (a planted or corrupted word, a holder without a
-    robust-list entry), used to make every locker wait forever: now the
-    owner is found gone after about a second and the lock is taken as from
-    a dead holder (the pool marked dirty, so it is repaired)."""
-    if not shlock.ACCELERATED and not pure:
-        pytest.skip("shmcache._hot is not built here")
-    mgr = make_pool(max_blocks=16)
-    native = _native_of(mgr, pure)
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait(timeout=20)                      # its pid (= its thread id) is gone
-    import ctypes
-    ctypes.c_uint32.from_buffer(mgr._p.mm, L.MUTEX_OFF).value = dead.pid
-    assert native.trylock() == -1              # looks held
-    got = {}
-    th = threading.Thread(target=lambda: got.setdefault("b", mgr.allocate_block()), daemon=True)
-    th.start()
-    th.join(timeout=10)
-    assert not th.is_alive(), "waits forever on a lock whose owner no longer exists"
-    assert got["b"] is not None
-    assert mgr.check() == []

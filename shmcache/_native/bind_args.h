@@ -18,6 +18,7 @@
 #include <climits>
 #include <cstdint>
 #include <cstdlib>
+#include <vector>
 
 #include "hot_params.h"
 #include "hot_localmap.h"
@@ -32,6 +33,10 @@ struct Hot {
     Py_buffer view;
     bool has_view = false;
     HotCore core;
+    // how long each wait of a fused op for its turn took, in ns, while
+    // log_waits() is on (tools/bench_scale counts them with the slow path's)
+    bool log_waits = false;
+    std::vector<int64_t> waits;
 
     Hot() = default;
     Hot(const Hot &) = delete;

@@ -27,6 +27,7 @@
 // The pool's mapping is held (PyObject_GetBuffer, writable) for the
 // object's life, until release(); the loose map for one call.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/vector.h>
 
 #include <new>
 
@@ -132,7 +133,34 @@ nb::object hot_unlock_py(Hot &self) {
 
 // ------------------------------------------------------- the fused ops
 
-// alloc(n, slot, epoch, loose) -> list of n block ids, or None.
+// How many times a fused op whose lock stayed busy waits its turn and
+// tries again before it leaves the op to the slow path.
+constexpr int FUSED_TURNS = 3;
+
+int64_t now_ns() {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+// The lock stayed busy through a fused op's spin: sleep until it is free
+// (GIL released) and hand it back (hot_wait_turn says why). True when the
+// op may be tried again.
+bool wait_turn(Hot &self) {
+    HotCore *h = ready(self);
+    int64_t t0 = self.log_waits ? now_ns() : 0;
+    int e;
+    {
+        nb::gil_scoped_release unlocked;
+        e = hot_wait_turn(h, &lock_slices_expired);
+    }
+    if (self.log_waits)
+        self.waits.push_back(now_ns() - t0);
+    return e == 0 && self.has_view;
+}
+
+// alloc(n, slot, epoch, loose) -> list of n block ids, or None (nothing
+// changed; also when the lock stayed busy through FUSED_TURNS waits).
 nb::object hot_alloc_py(Hot &self, nb::handle n_, nb::handle slot_, nb::handle epoch_,
                         nb::handle loose) {
     Py_ssize_t n = as_n(n_);
@@ -147,9 +175,11 @@ nb::object hot_alloc_py(Hot &self, nb::handle n_, nb::handle slot_, nb::handle e
     open_map(h, lv, &lm);
     Ids<64> ids(n);
     int r = hot_alloc(h, n, slot, epoch, &lm, ids.p);
+    for (int turn = 0; r == HOT_BUSY && turn < FUSED_TURNS && wait_turn(self); turn++)
+        r = hot_alloc(h, n, slot, epoch, &lm, ids.p);
     if (r == HOT_NOMEM)
         raise_no_memory();
-    if (r == 0)
+    if (r <= 0)                             // (0, or HOT_BUSY still)
         return nb::none();
     // committed, the local map too: a failure here leaves the caller to
     // rebuild the map from the slot's list (paged_cache.PagedCacheManager._native)
@@ -171,8 +201,9 @@ nb::object hot_alloc_py(Hot &self, nb::handle n_, nb::handle slot_, nb::handle e
 
 // free(ids, slot, epoch, loose) -> number of blocks that became free, or
 // None (nothing changed) when an id is not an int in [1, max_blocks), is not
-// held loose by this slot as many times as listed, or the lock is busy: the
-// slow path then raises the precise error or waits.
+// held loose by this slot as many times as listed (the slow path then
+// raises the precise error), or the lock stayed busy through FUSED_TURNS
+// waits for its turn (the slow path then waits in its turn).
 nb::object hot_free_py(Hot &self, nb::handle seq, nb::handle slot_, nb::handle epoch_,
                        nb::handle loose) {
     int slot = as_i(slot_);
@@ -193,6 +224,8 @@ nb::object hot_free_py(Hot &self, nb::handle seq, nb::handle slot_, nb::handle e
     if (!read_ids(h, fast.ptr(), bs.p, n))
         return nb::none();
     int64_t r = hot_free(h, bs.p, n, slot, epoch, &lm);
+    for (int turn = 0; r == HOT_BUSY && turn < FUSED_TURNS && wait_turn(self); turn++)
+        r = hot_free(h, bs.p, n, slot, epoch, &lm);
     if (r == HOT_NOMEM)
         raise_no_memory();
     if (r < 0)
@@ -344,6 +377,10 @@ NB_MODULE(_hot, m) {
         .def("unlock", &hot_unlock_py, "Release the lock.")
         .def("lock_slices", [](Hot &) { return lock_slices_expired; },
              "Timed-lock slices this process let run out (a test hook).")
+        .def("log_waits", [](Hot &self, bool on) { self.log_waits = on; },
+             "log_waits(on): record how long each fused op's wait for its turn takes.")
+        .def("take_waits", [](Hot &self) { std::vector<int64_t> w; w.swap(self.waits); return w; },
+             "The recorded waits (ns), emptied.")
         .def("alloc", &hot_alloc_py, "alloc(n, slot, epoch, loose) -> ids or None.")
         .def("free", &hot_free_py, "free(ids, slot, epoch, loose) -> freed or None.")
         .def("table_new", &hot_table_new_py,

@@ -49,7 +49,9 @@ hot_alloc_ok(const HotCore *h, int64_t n, int slot)
 /* alloc(n, slot, epoch, loose): n blocks allocated as loose references of
  * slot, their ids written to ids (the caller's, n of them). lm is the
  * manager's LooseMap array (hot_localmap.h). 1: done; 0: nothing changed,
- * the slow path runs (the binding returns None); HOT_NOMEM: nothing changed.
+ * the slow path runs (the binding returns None); HOT_BUSY: nothing changed,
+ * the lock stayed busy (the binding waits its turn and tries again);
+ * HOT_NOMEM: nothing changed.
  * The first n free blocks must be uncached (otherwise 0: the slow path
  * evicts their cache entries), and the chunks the slot's loose list grows
  * by free (otherwise 0: the slow path reports it).
@@ -76,8 +78,11 @@ hot_alloc(HotCore *h, int64_t n, int slot, long long epoch, LMap *lm, int32_t *i
             return HOT_NOMEM;
         }
     }
-    if (enter(h, epoch, slot) < 0)
+    if ((r = enter(h, epoch, slot)) < 0) {
+        if (r == -2)
+            goto contended;
         goto busy;
+    }
     {
         const int32_t HEAD = (int32_t)h->p[P_MAX_BLOCKS];
         const uint16_t CACHED = (uint16_t)h->p[P_FLAG_CACHED];
@@ -158,6 +163,9 @@ hot_alloc(HotCore *h, int64_t n, int slot, long long epoch, LMap *lm, int32_t *i
         lm_push(lm, bs[i], gs[i]);
     r = 1;
     goto done;
+contended:
+    r = HOT_BUSY;
+    goto done;
 busy:
     r = 0;
 done:
@@ -181,8 +189,9 @@ hot_free_ok(const HotCore *h, int slot)
  * blocks that became free; HOT_SLOW (nothing changed) when an id is not in
  * [1, max_blocks) (the binding, which reads the ids, refuses one that is
  * not an int first), is not held loose by this slot as many times as
- * listed, or the lock is busy: the slow path then raises the precise error
- * or waits; HOT_NOMEM (nothing changed). */
+ * listed: the slow path then raises the precise error; HOT_BUSY (nothing
+ * changed) when the lock stayed busy (the binding waits its turn and tries
+ * again); HOT_NOMEM (nothing changed). */
 static inline int64_t
 hot_free(HotCore *h, const int32_t *bs, int64_t n, int slot, long long epoch, LMap *lm)
 {
@@ -207,8 +216,13 @@ hot_free(HotCore *h, const int32_t *bs, int64_t n, int slot, long long epoch, LM
     memcpy(sorted, bs, n * sizeof(int32_t));
     if (n > 1)
         qsort(sorted, n, sizeof(int32_t), cmp_i32);
-    if (!lm_holds(lm, sorted, n) || enter(h, epoch, slot) < 0)
+    if (!lm_holds(lm, sorted, n))
         goto busy;
+    if ((r = enter(h, epoch, slot)) < 0) {
+        if (r == -2)
+            goto contended;
+        goto busy;
+    }
     {
         const int32_t HEAD = (int32_t)h->p[P_MAX_BLOCKS], TAIL = HEAD + 1;
         const uint16_t CACHED = (uint16_t)h->p[P_FLAG_CACHED];
@@ -296,6 +310,9 @@ hot_free(HotCore *h, const int32_t *bs, int64_t n, int slot, long long epoch, LM
         leave(h, 1);
     }
     r = freed;
+    goto done;
+contended:
+    r = HOT_BUSY;
     goto done;
 busy:
     r = HOT_SLOW;

@@ -163,6 +163,29 @@ hot_lock(HotCore *h, long *slices)
     return e;
 }
 
+/* For a fused op that found the lock busy (HOT_BUSY): sleep in the kernel
+ * until the lock is ours, and hand it straight back, so that the op can be
+ * tried again in C. 0 when it went so (also after a holder that died: the
+ * pool is then marked dirty, and the op's retry sends it to the slow path,
+ * which repairs); else an errno (EDEADLK: this thread holds the lock), and
+ * the op takes the slow path.
+ *
+ * NOTE: why not fall to the slow path at once: the slow path runs the op in
+ * Python under the lock, tens of times longer than the C op, so under heavy
+ * contention one fallback makes the others' spins fail too and they fall
+ * back in turn (a convoy: on 16 processes the batched mix lost most of its
+ * throughput so). Why hand the lock back rather than run the op holding it:
+ * the op needs the GIL, and waiting for the GIL while holding the pool lock
+ * would stall every other process behind this one's threads. */
+static inline int
+hot_wait_turn(HotCore *h, long *slices)
+{
+    int e = hot_lock(h, slices);
+    if (e == 0 || e == EOWNERDEAD)
+        return pthread_mutex_unlock(h->mutex);
+    return e;
+}
+
 /* Release the lock: 0, or an errno (not held by this thread). */
 static inline int
 hot_unlock(HotCore *h)
@@ -199,12 +222,15 @@ spin_lock(HotCore *h)
 }
 
 /* Take the lock for a fused op; 0 if the op may go on (lock held, pool
- * clean, the manager's view current), -1 (lock not held) otherwise. */
+ * clean, the manager's view current); else the lock is not held: -2 when
+ * it stayed busy through the spin (the caller may wait for it and try
+ * again, see hot_wait_turn), -1 when the pool is dirty or the view stale
+ * (the slow path repairs or resyncs). */
 static inline int
 enter(HotCore *h, long long epoch, int slot)
 {
     if (spin_lock(h) < 0)
-        return -1;
+        return -2;
     if (C(h, P_C_DIRTY) || C(h, P_C_EPOCH) != epoch) {
         pthread_mutex_unlock(h->mutex);
         return -1;

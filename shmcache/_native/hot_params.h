@@ -28,6 +28,7 @@
 #define HOT_SLOW (-1)       /* nothing changed: the slow path runs */
 #define HOT_NOMEM (-2)      /* nothing changed: no memory for a scratch buffer */
 #define HOT_REFUSED (-3)    /* nothing changed: the caller refused the result */
+#define HOT_BUSY (-4)       /* nothing changed: the lock stayed busy through the spin */
 
 /* The parameters Hot() takes, in this order (a tuple of ints). */
 enum {

@@ -1,0 +1,90 @@
+"""What the mutex tests share (test_mutex, test_mutex_wakeup): the skip for
+tests that need the C accelerator, a mapping of a pool's mutex, the seam
+that hides the fused C operations, and a holder process driven over stdin.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from shmcache import lock as shlock, segment
+
+needs_c = pytest.mark.skipif(not shlock.ACCELERATED, reason="shmcache._hot is not built here")
+
+
+def map_mutex(name):
+    fd = os.open(segment.path_for(name), os.O_RDWR)
+    try:
+        return mmap.mmap(fd, shlock.MUTEX_MAP_SIZE)
+    finally:
+        os.close(fd)
+
+
+class PythonOnly:
+    """The pool's own mutex with the fused C operations hidden, so that the
+    manager takes its Python fast path (a unit-test seam, nothing else)."""
+    alloc = free = table_new = table_drop = table_take = table_append = find_chain = None
+
+    def __init__(self, native) -> None:
+        self._n = native
+
+    def __getattr__(self, k):
+        return getattr(self._n, k)
+
+
+def python_only(m):
+    m._p.native = m._p.lock.native = PythonOnly(m._p.native)
+    return m
+
+
+HOLDER = textwrap.dedent("""
+    import ctypes, mmap, os, sys
+    from shmcache import layout as L, lock as shlock, segment
+    fd = os.open(segment.path_for(sys.argv[1]), os.O_RDWR)
+    mm = mmap.mmap(fd, shlock.MUTEX_MAP_SIZE)
+    m = shlock.open_mutex(mm)
+    assert m.trylock() == 0
+    print("locked", flush=True)
+    for cmd in sys.stdin:
+        cmd = cmd.strip()
+        if cmd == "clear":
+            # an unlocker's first half: the word (and owner) cleared, no wake
+            ctypes.c_int32.from_buffer(mm, L.MUTEX_OFF + 8).value = 0
+            ctypes.c_int32.from_buffer(mm, L.MUTEX_OFF).value = 0
+        elif cmd == "unlock":
+            m.unlock()
+        elif cmd == "exit":
+            os._exit(0)
+        print("ok", flush=True)
+""")
+
+
+def start_holder(name, pure, **kw):
+    env = dict(os.environ)
+    env.pop("SHMCACHE_PURE", None)
+    if pure:
+        env["SHMCACHE_PURE"] = "1"
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, name], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env, **kw)
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def tell(proc, cmd):
+    proc.stdin.write(cmd + "\n")
+    proc.stdin.flush()
+    if cmd != "exit":
+        assert proc.stdout.readline().strip() == "ok"
+
+
+def native_of(mgr, pure):
+    if pure:
+        python_only(mgr)
+        mgr._p.native = mgr._p.lock.native = shlock.reference_mutex(mgr._p.mm)
+    return mgr._p.native

@@ -184,9 +184,20 @@ class TableOps(PoolOps):
         """
         if isinstance(num_new_tokens, bool) or not isinstance(num_new_tokens, int) or num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be a non-negative int, got {num_new_tokens!r}")
+        p = self._p
+        fused = getattr(p.native, "append", None)
+        # C (_hot.append): the common case in one call that takes the lock
+        # itself, so the hold is the C op's alone (not this method's Python
+        # too); None: nothing changed, and the path below runs. Not inside a
+        # hold of this process (the mutex is not reentrant; the path below is)
+        if (fused is not None and num_new_tokens and not p.lock.unusable and not p.lock.held
+                and type(table) is SharedBlockTable and table._m._p is p):
+            ids = fused(table._t, table._rh, num_new_tokens, self.block_size, p.now(),
+                        p.slot, self._epoch)
+            if ids is not None:
+                return [SharedBlock(self, b) for b in ids]
         with self._p.lock:
             self._sync()
-            p = self._p
             t = self._table_index(table)
             append = getattr(p.native, "table_append", None)
             # C (_hot.table_append): the common case (no copy-on-write, free

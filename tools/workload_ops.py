@@ -104,7 +104,10 @@ class WorkloadOps:
         try:
             if self.rng.random() < 0.2:
                 self.call(self.m.can_append, rid, len(new_tokens))
-            out = self.call(self.m.prepare_append, rid, len(new_tokens))
+            # by id or by table object: the table object takes the fused C
+            # path, which holds the lock only for its own C op
+            which = self.call(self.m.get_block_table, rid) if self.rng.random() < 0.5 else None
+            out = self.call(self.m.prepare_append, which or rid, len(new_tokens))
         except OutOfBlocksError as e:
             self.failed(e)
             if not isinstance(e, CapacityError) and self.rng.random() < 0.5:
@@ -170,7 +173,8 @@ class WorkloadOps:
             return self.failed(e)
         self.foreign[dst] = len(t)
         before, n = t.num_tokens, self.rng.randint(1, self.bs)
-        out = self.attempt(OutOfBlocksError, self.m.prepare_append, dst, n)
+        out = self.attempt(OutOfBlocksError, self.m.prepare_append,
+                           t if self.rng.random() < 0.5 else dst, n)
         if out is REFUSED:
             return
         self.foreign[dst] = len(t)

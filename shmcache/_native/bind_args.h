@@ -22,6 +22,9 @@
 
 #include "hot_params.h"
 #include "hot_localmap.h"
+#include "hot_mutex.h"
+
+#include <time.h>
 
 namespace nb = nanobind;
 
@@ -229,6 +232,51 @@ nb::object int_result(int64_t v) {
 
 nb::object fast_seq(nb::handle seq, const char *what) {
     return nb::steal(PySequence_Fast(seq.ptr(), what));
+}
+
+// This process's count of timed-lock slices that ran out (lock_bounded),
+// for tests.
+inline long lock_slices_expired;
+
+// How many times a fused op whose lock stayed busy waits its turn and
+// tries again before it leaves the op to the slow path.
+constexpr int FUSED_TURNS = 3;
+
+int64_t now_ns() {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+// The lock stayed busy through a fused op's spin: sleep until it is free
+// (GIL released) and hand it back (hot_wait_turn says why). True when the
+// op may be tried again.
+bool wait_turn(Hot &self) {
+    HotCore *h = ready(self);
+    int64_t t0 = self.log_waits ? now_ns() : 0;
+    int e;
+    {
+        nb::gil_scoped_release unlocked;
+        e = hot_wait_turn(h, &lock_slices_expired);
+    }
+    if (self.log_waits)
+        self.waits.push_back(now_ns() - t0);
+    return e == 0 && self.has_view;
+}
+
+// table_append's accept: the list of the ids, built before the core's
+// first write, so that a MemoryError changes nothing.
+int build_list(void *ctx, const int32_t *ids, int64_t n) {
+    PyObject *list = PyList_New(n);
+    for (int64_t i = 0; list && i < n; i++) {
+        PyObject *o = PyLong_FromLong(ids[i]);
+        if (!o)
+            Py_CLEAR(list);
+        else
+            PyList_SET_ITEM(list, i, o);
+    }
+    *(PyObject **)ctx = list;
+    return list ? 0 : -1;
 }
 
 }  // namespace hotbind

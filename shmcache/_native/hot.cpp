@@ -44,8 +44,6 @@ using namespace hotbind;
 
 namespace {
 
-long lock_slices_expired;   // this process's count, for tests (lock_bounded)
-
 // ------------------------------------------------------- the Hot object
 
 // Hot(buffer, params, created_at=0.0): the pool mutex and fused operations
@@ -132,32 +130,6 @@ nb::object hot_unlock_py(Hot &self) {
 }
 
 // ------------------------------------------------------- the fused ops
-
-// How many times a fused op whose lock stayed busy waits its turn and
-// tries again before it leaves the op to the slow path.
-constexpr int FUSED_TURNS = 3;
-
-int64_t now_ns() {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
-// The lock stayed busy through a fused op's spin: sleep until it is free
-// (GIL released) and hand it back (hot_wait_turn says why). True when the
-// op may be tried again.
-bool wait_turn(Hot &self) {
-    HotCore *h = ready(self);
-    int64_t t0 = self.log_waits ? now_ns() : 0;
-    int e;
-    {
-        nb::gil_scoped_release unlocked;
-        e = hot_wait_turn(h, &lock_slices_expired);
-    }
-    if (self.log_waits)
-        self.waits.push_back(now_ns() - t0);
-    return e == 0 && self.has_view;
-}
 
 // alloc(n, slot, epoch, loose) -> list of n block ids, or None (nothing
 // changed; also when the lock stayed busy through FUSED_TURNS waits).
@@ -286,21 +258,6 @@ nb::object hot_table_take_py(Hot &self, nb::handle t_, nb::handle seq, nb::handl
     return int_result(r);
 }
 
-// table_append's accept: the list of the ids, built before the core's
-// first write, so that a MemoryError changes nothing.
-int build_list(void *ctx, const int32_t *ids, int64_t n) {
-    PyObject *list = PyList_New(n);
-    for (int64_t i = 0; list && i < n; i++) {
-        PyObject *o = PyLong_FromLong(ids[i]);
-        if (!o)
-            Py_CLEAR(list);
-        else
-            PyList_SET_ITEM(list, i, o);
-    }
-    *(PyObject **)ctx = list;
-    return list ? 0 : -1;
-}
-
 // table_append(t, n, bs, now) -> the ids of the blocks the n new tokens
 // land in, or None (nothing changed).
 nb::object hot_table_append_py(Hot &self, nb::handle t_, nb::handle n_, nb::handle bs_,
@@ -314,6 +271,38 @@ nb::object hot_table_append_py(Hot &self, nb::handle t_, nb::handle n_, nb::hand
     Ids<64> out(span);
     PyObject *list = nullptr;
     int64_t r = hot_table_append(h, t, n, bs, now, out.p, span, build_list, &list);
+    if (r == HOT_REFUSED)
+        throw_error();
+    if (r == HOT_NOMEM)
+        raise_no_memory();
+    if (r < 0)
+        return nb::none();
+    return nb::steal(list);
+}
+
+// append(t, rhash, n, bs, now, slot, epoch) -> the ids of the blocks the n
+// new tokens land in, or None (nothing changed): table_append as a fused op
+// that takes the lock itself (hot_append), for table t whose request id's
+// hash is rhash.
+nb::object hot_append_py(Hot &self, nb::handle t_, nb::handle rhash_, nb::handle n_,
+                         nb::handle bs_, nb::handle now_, nb::handle slot_, nb::handle epoch_) {
+    Py_ssize_t t = as_n(t_);
+    uint64_t rhash = as_K(rhash_, 2);
+    Py_ssize_t n = as_n(n_), bs = as_n(bs_);
+    double now = as_d(now_);
+    int slot = as_i(slot_);
+    long long epoch = as_L(epoch_);
+    HotCore *h = ready(self);
+    // (sized before the lock from the table as it is; the op refuses when
+    // the span it finds under the lock does not fit)
+    int64_t span = hot_table_append_span(h, t, n, bs);
+    if (span < 0)
+        return nb::none();
+    Ids<64> out(span);
+    PyObject *list = nullptr;
+    int64_t r = hot_append(h, t, rhash, n, bs, now, slot, epoch, out.p, span, build_list, &list);
+    for (int turn = 0; r == HOT_BUSY && turn < FUSED_TURNS && wait_turn(self); turn++)
+        r = hot_append(h, t, rhash, n, bs, now, slot, epoch, out.p, span, build_list, &list);
     if (r == HOT_REFUSED)
         throw_error();
     if (r == HOT_NOMEM)
@@ -391,6 +380,9 @@ NB_MODULE(_hot, m) {
              "table_take(t, ids, now, tokens) -> len(ids), or None (lock held by the caller).")
         .def("find_chain", &hot_find_chain_py,
              "find_chain(hashes) -> blocks of the longest cached run, or None (lock held by the caller).")
+        .def("append", &hot_append_py,
+             "append(t, rhash, n, bs, now, slot, epoch) -> ids the tokens land in, or None "
+             "(takes the lock itself).")
         .def("table_append", &hot_table_append_py,
              "table_append(t, n, bs, now) -> ids the tokens land in, or None (lock held by the caller).");
 

@@ -1,0 +1,247 @@
+"""The C table ops of shmcache._hot (hot_tables.h, hot_append.h, hot_index.h)
+against their Python paths (tables.py, prefix.py, index.py): a random
+request mix leaves byte-identical shared state through either; the ops
+refuse (None, nothing changed) outside a lock hold, on bad arguments, and,
+for the fused append that takes the lock itself, on a stale table."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import shmcache
+from shmcache import layout as L
+from shmcache import lock as shlock
+from shmcache.refs import rid_key
+
+from _mutex import PythonOnly
+
+
+# ------------------------------------------- the table ops: C against Python
+
+def _shared_state(m):
+    """The segment's metadata the table ops touch, minus what differs between
+    two pools by construction (seeds, times, lock bookkeeping)."""
+    p = m._p
+    b = p.blocks
+    c = p.counters.copy()
+    c[[L.C_OPS, L.C_LOCK_WAIT_NS, L.C_DIRTY, L.C_HOLDER]] = 0
+    return (b["ref_count"].tobytes(), b["prev"].tobytes(), b["next"].tobytes(),
+            b["flags"].tobytes(), b["token_count"].tobytes(), b["gen"].tobytes(),
+            b["hash"].tobytes(), p.chunks.tobytes(), p.slots["loose_head"].tobytes(),
+            p.slots["loose_count"].tobytes(), c.tobytes(), p.tables.tobytes(),
+            p.tidx.tobytes(), p.hidx.tobytes(), m._refs.loose.buf.tobytes())
+
+
+def _serve(m, seed: int) -> list:
+    """A random serving mix: requests sharing prompt prefixes are created,
+    acquire their cached prefix into their table, append (with
+    copy-on-write after forks), publish, trim and are deleted, alongside
+    loose allocations."""
+    rng = random.Random(seed)
+    bs = m.block_size
+    prompts = [[rng.randrange(50) for _ in range(bs * rng.randint(1, 6))] for _ in range(4)]
+    live, loose, log = [], [], []
+    for step in range(400):
+        op = rng.random()
+        try:
+            if op < 0.2 or not live:
+                rid = f"r{seed}-{step}"
+                t = m.create_block_table(rid)
+                tokens = rng.choice(prompts)[:bs * rng.randint(0, 6)]
+                tokens = tokens + [rng.randrange(50) for _ in range(rng.randrange(2 * bs))]
+                got, n = m.acquire_computed_blocks(tokens, table=t)
+                log.append(("acq", [b.block_id for b in got], n))
+                live.append((rid, t, tokens, n))
+            elif op < 0.45:
+                rid, t, tokens, n = rng.choice(live)
+                k = rng.choice([1, 1, 1, rng.randrange(3 * bs)])
+                log.append(("app", [b.block_id for b in m.prepare_append(t, k)]))
+            elif op < 0.6:
+                rid, t, tokens, n = rng.choice(live)
+                full = min(len(tokens), t.num_tokens) // bs
+                m.cache_full_blocks(t.block_ids, tokens, n // bs, full)
+                log.append(("pub", full))
+            elif op < 0.65:
+                rid, t, tokens, n = rng.choice(live)
+                f = m.fork_block_table(t, f"{rid}-f{step}")
+                live.append((f"{rid}-f{step}", f, tokens, 0))
+                log.append(("fork", f.block_ids))
+            elif op < 0.7:
+                rid, t, tokens, n = rng.choice(live)
+                log.append(("trim", m.trim_table(t, rng.randrange(2 * bs))))
+            elif op < 0.75:
+                # a block with fewer tokens than it holds: later tokens land
+                # in blocks before the table's last (chunks before its tail)
+                rid, t, tokens, n = rng.choice(live)
+                for b in m.get_new_blocks(rng.randint(1, 20)):
+                    m.add_block_to_table(t, b, rng.randint(0, bs))
+                log.append(("add", t.block_ids))
+            elif op < 0.8:
+                got = m.get_new_blocks(rng.randint(1, 3))
+                loose += [b.block_id for b in got]
+                log.append(("alloc", loose[-len(got):]))
+            elif op < 0.85 and loose:
+                m.free_block_batch(loose)
+                loose = []
+                log.append(("free",))
+            else:
+                rid, t, tokens, n = live.pop(rng.randrange(len(live)))
+                m.delete_block_table(rid)
+                log.append(("del", rid))
+        except shmcache.OutOfBlocksError as e:
+            log.append(("full", type(e).__name__))
+    for rid, *_ in live:
+        m.delete_block_table(rid)
+    m.free_block_batch(loose)
+    return log
+
+
+@pytest.mark.skipif(not shlock.ACCELERATED, reason="the C accelerator is not built")
+@pytest.mark.parametrize("max_blocks", [40, 200], ids=["tight", "roomy"])
+def test_the_c_table_ops_leave_the_same_state_as_the_python_ones(max_blocks):
+    kw = dict(block_size=4, max_blocks=max_blocks, max_tables=16)
+    a = shmcache.PagedCacheManager(**kw)
+    b = shmcache.PagedCacheManager(**kw)
+    b._p.native = b._p.lock.native = PythonOnly(b._p.native)
+    calls = {"table_new": 0, "table_drop": 0, "table_take": 0, "table_append": 0,
+             "append": 0, "find_chain": 0}
+    a._p.native = a._p.lock.native = _Counted(a._p.native, calls)
+    try:
+        b._root = a._root                        # same chain hashes in both
+        for seed in range(6):
+            la, lb = _serve(a, seed), _serve(b, seed)
+            assert la == lb
+            assert _shared_state(a) == _shared_state(b)
+            assert a.check() == [] and b.check() == []
+        assert calls["table_drop"] > 50 and calls["table_take"] > 20, calls
+        assert calls["append"] > 50 and calls["find_chain"] > 50, calls
+        assert calls["table_new"] > 50, calls
+    finally:
+        a.close()
+        b.close()
+
+
+class _Counted:
+    """The pool's native object, counting the table ops that did the work."""
+
+    def __init__(self, native, calls) -> None:
+        self._n, self._calls = native, calls
+
+    def __getattr__(self, k):
+        f = getattr(self._n, k)
+        if k not in self._calls:
+            return f
+
+        def counted(*args):
+            r = f(*args)
+            self._calls[k] += r is not None
+            return r
+        return counted
+
+
+@pytest.mark.skipif(not shlock.ACCELERATED, reason="the C accelerator is not built")
+def test_the_table_ops_refuse_outside_a_lock_hold_and_bad_arguments():
+    """They run only inside the caller's lock hold (the lock word names this
+    thread), on a live table, with ids that are blocks; else None, and
+    nothing changes."""
+    m = shmcache.PagedCacheManager(block_size=4, max_blocks=32)
+    try:
+        p, nat = m._p, m._p.native
+        t = m.create_block_table("t")
+        m.prepare_append(t, 6)
+        before = bytes(p.raw)
+        assert nat.table_drop(t._t) is None                  # lock not held
+        assert nat.table_append(t._t, 1, 4, 0.0) is None
+        assert nat.table_take(t._t, [5], 0.0, 4) is None
+        assert nat.table_new(b"u", 7, p.slot) is None
+        with p.lock:
+            raw, h = rid_key("t")
+            assert nat.table_new(raw, h, p.slot) is None     # taken
+            assert nat.table_new(b"", 7, p.slot) is None
+            assert nat.table_new(b"a\x00b", 7, p.slot) is None
+            assert nat.table_drop(t._t + 1) is None          # not a live table
+            assert nat.table_drop(-1) is None and nat.table_drop(10**6) is None
+            assert nat.table_append(t._t, 0, 4, 0.0) is None     # (the Python path's)
+            for bad in ([0], [32], [True], ["1"], [10**20]):
+                assert nat.table_take(t._t, bad, 0.0, 4) is None, bad
+            assert nat.find_chain([b"short"]) is None
+            assert nat.find_chain([]) == []
+        after = bytearray(p.raw)
+        # (the lock word and the hold's bookkeeping differ; the pool does not)
+        lo, hi = L.MUTEX_OFF, L.HEADER_SIZE
+        co = p.layout.counters_off
+        for a, b in ((lo, hi), (co + 8 * L.C_OPS, co + 8 * L.C_OPS + 8)):
+            after[a:b] = before[a:b]
+        assert bytes(after) == before
+        m.delete_block_table("t")
+        assert m.check() == [] and m.free_blocks == 31
+    finally:
+        m.close()
+
+
+@pytest.mark.skipif(not shlock.ACCELERATED, reason="the C accelerator is not built")
+def test_c_append_into_blocks_before_the_tail_chunk_matches_python():
+    """Tokens landing in chunks before the tail's (a table holding more
+    blocks than its tokens fill): table_append (here through the fused
+    append, which takes the lock itself) walks the chain."""
+    a = shmcache.PagedCacheManager(block_size=4, max_blocks=64)
+    b = shmcache.PagedCacheManager(block_size=4, max_blocks=64)
+    b._p.native = b._p.lock.native = PythonOnly(b._p.native)
+    calls = {"append": 0}
+    a._p.native = a._p.lock.native = _Counted(a._p.native, calls)
+    try:
+        b._root = a._root
+        for m in (a, b):
+            t = m.create_block_table("t")
+            for blk in m.get_new_blocks(40):            # three chunks, no tokens
+                m.add_block_to_table(t, blk, 0)
+            got = [[x.block_id for x in m.prepare_append(t, n)] for n in (3, 70, 1, 50, 40)]
+            m.got = got
+        assert a.got == b.got and calls["append"] == 5
+        assert _shared_state(a) == _shared_state(b)
+        a.delete_block_table("t")
+        b.delete_block_table("t")
+        assert _shared_state(a) == _shared_state(b) and a.check() == [] == b.check()
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.skipif(not shlock.ACCELERATED, reason="the C accelerator is not built")
+def test_the_fused_append_takes_the_lock_itself_and_refuses_a_stale_table():
+    """append() (prepare_append's common case) takes the lock itself: one hold,
+    counted once; it refuses (None, nothing changed) a table record that is no
+    longer the request's, a stale view, a dirty pool and a lock this thread
+    holds; prepare_append then takes its Python path."""
+    m = shmcache.PagedCacheManager(block_size=4, max_blocks=32)
+    try:
+        p, nat = m._p, m._p.native
+        t = m.create_block_table("t")
+        ops = int(p.c[L.C_OPS])
+        ids = nat.append(t._t, t._rh, 6, 4, 0.0, p.slot, m._epoch)
+        assert len(ids) == 2 and int(p.c[L.C_OPS]) == ops + 1 and p.c[L.C_DIRTY] == 0
+        assert t.num_tokens == 6 and t.block_ids == ids
+        before = bytes(p.raw)
+        assert nat.append(t._t, t._rh ^ 1, 1, 4, 0.0, p.slot, m._epoch) is None   # not its id
+        assert nat.append(t._t + 1, t._rh, 1, 4, 0.0, p.slot, m._epoch) is None   # no table
+        assert nat.append(t._t, t._rh, 1, 4, 0.0, p.slot, m._epoch + 1) is None   # stale view
+        assert nat.append(t._t, t._rh, 0, 4, 0.0, p.slot, m._epoch) is None       # (Python's)
+        assert nat.append(t._t, t._rh, 1, 4, 0.0, -1, m._epoch) is None
+        after = bytearray(p.raw)
+        lo, hi = L.MUTEX_OFF, L.HEADER_SIZE     # (the lock word and the holds' bookkeeping)
+        co = p.layout.counters_off
+        for a, b in ((lo, hi), (co + 8 * L.C_OPS, co + 8 * L.C_OPS + 8),
+                     (co + 8 * L.C_HOLDER, co + 8 * L.C_HOLDER + 8)):
+            after[a:b] = before[a:b]
+        assert bytes(after) == before
+        with p.lock:                            # held by this thread: not reentrant
+            assert nat.append(t._t, t._rh, 1, 4, 0.0, p.slot, m._epoch) is None
+            assert [b.block_id for b in m.prepare_append(t, 1)] == [ids[1]]   # Python path
+        m.delete_block_table("t")
+        u = m.create_block_table("u")           # (reuses the record)
+        assert u._t == t._t and nat.append(t._t, t._rh, 1, 4, 0.0, p.slot, m._epoch) is None
+        assert u.num_tokens == 0 and m.check() == []
+    finally:
+        m.close()

@@ -88,22 +88,8 @@ hot_table_take(HotCore *h, int64_t t, const int32_t *bs, int64_t n, double now, 
             LAST(h, b) = (float)now;
         }
         tail = len ? tail : -1;
-        for (pos = len, i = 0; i < n; i++, pos++) {
-            int64_t off = pos % CI;
-            if (off == 0) {
-                int32_t c = cs[ci++];
-                C(h, P_C_FREE_REF) = W(h, (int64_t)c * CW);
-                C(h, P_C_FREE_REFS) -= 1;
-                W(h, (int64_t)c * CW) = -1;
-                if (tail >= 0)
-                    W(h, (int64_t)tail * CW) = c;
-                else
-                    TF(h, t, P_T_HEAD) = c;
-                tail = c;
-                TF(h, t, P_T_TAIL) = c;
-            }
-            W(h, (int64_t)tail * CW + 1 + off) = bs[i];
-        }
+        for (pos = len, i = 0; i < n; i++, pos++)
+            chain_put(h, t, pos, bs[i], &tail, cs, &ci);
         TF(h, t, P_T_LEN) = (int32_t)pos;        /* commit: the table holds them */
         TF(h, t, P_T_TOK) += (int32_t)tokens;
         h->c[CT] += tokens;
@@ -281,22 +267,8 @@ hot_table_append(HotCore *h, int64_t t, int64_t n, int64_t bs, double now,
         PREV(h, b) = HEAD;
         C(h, P_C_NUM_FREE) -= nnew;
         tail = len ? TF(h, t, P_T_TAIL) : -1;
-        for (ci = k - lo, pos = len, i = 0; i < nnew; i++, pos++) {
-            int64_t off = pos % CI;
-            if (off == 0) {
-                c = cs[ci++];
-                C(h, P_C_FREE_REF) = W(h, (int64_t)c * CW);
-                C(h, P_C_FREE_REFS) -= 1;
-                W(h, (int64_t)c * CW) = -1;
-                if (tail >= 0)
-                    W(h, (int64_t)tail * CW) = c;
-                else
-                    TF(h, t, P_T_HEAD) = c;
-                tail = c;
-                TF(h, t, P_T_TAIL) = c;
-            }
-            W(h, (int64_t)tail * CW + 1 + off) = nbs[i];
-        }
+        for (ci = k - lo, pos = len, i = 0; i < nnew; i++, pos++)
+            chain_put(h, t, pos, nbs[i], &tail, cs, &ci);
         if (nnew)
             TF(h, t, P_T_LEN) = (int32_t)pos;    /* commit: the table holds them */
         for (i = first; i <= last; i++) {

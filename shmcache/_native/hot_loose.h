@@ -285,20 +285,7 @@ hot_free(HotCore *h, const int32_t *bs, int64_t n, int slot, long long epoch, LM
             if (x == 0) {
                 freed++;
                 h->c[CT] -= TOK(h, b);          /* as the seed's free_block */
-                if (cached) {                   /* to the back: evicted last */
-                    int32_t lb = PREV(h, TAIL);
-                    NEXT(h, lb) = b;
-                    PREV(h, b) = lb;
-                    NEXT(h, b) = TAIL;
-                    PREV(h, TAIL) = b;
-                }
-                else {                          /* to the front: reused first */
-                    int32_t first = NEXT(h, HEAD);
-                    PREV(h, first) = b;
-                    NEXT(h, b) = first;
-                    PREV(h, b) = HEAD;
-                    NEXT(h, HEAD) = b;
-                }
+                free_list_put(h, b, cached);
             }
         }
         C(h, P_C_NUM_FREE) += freed;

@@ -92,6 +92,53 @@ typedef struct {
                                   (int64_t)(b) * (h)->p[P_BLOCK_SIZE] + (h)->gen_off))
 #define NCH_FOR(n) (((n) + CI - 1) / CI)
 
+/* Put block b, whose last reference is gone, on the free list (lock held,
+ * b unlinked): a cached block at the back, evicted last; an uncached one at
+ * the front, reused first (freelist.py's push_back / push_front). */
+static inline void
+free_list_put(HotCore *h, int32_t b, int cached)
+{
+    const int32_t HEAD = (int32_t)h->p[P_MAX_BLOCKS], TAIL = HEAD + 1;
+    if (cached) {
+        int32_t lb = PREV(h, TAIL);
+        NEXT(h, lb) = b;
+        PREV(h, b) = lb;
+        NEXT(h, b) = TAIL;
+        PREV(h, TAIL) = b;
+    }
+    else {
+        int32_t first = NEXT(h, HEAD);
+        PREV(h, first) = b;
+        NEXT(h, b) = first;
+        PREV(h, b) = HEAD;
+        NEXT(h, HEAD) = b;
+    }
+}
+
+/* Write id at position pos of table t's list, whose last chunk is *tail
+ * (-1: none yet), taking the next chunk of cs (*ci) from the free chunk
+ * list's front when pos starts a new one (refs.table_extend's steps; lock
+ * held, the chunks checked by the caller). */
+static inline void
+chain_put(HotCore *h, int64_t t, int64_t pos, int32_t id, int32_t *tail, const int32_t *cs,
+          int64_t *ci)
+{
+    int64_t off = pos % CI;
+    if (off == 0) {
+        int32_t c = cs[(*ci)++];
+        C(h, P_C_FREE_REF) = W(h, (int64_t)c * CW);
+        C(h, P_C_FREE_REFS) -= 1;
+        W(h, (int64_t)c * CW) = -1;
+        if (*tail >= 0)
+            W(h, (int64_t)*tail * CW) = c;
+        else
+            TF(h, t, P_T_HEAD) = c;
+        *tail = c;
+        TF(h, t, P_T_TAIL) = c;
+    }
+    W(h, (int64_t)*tail * CW + 1 + off) = id;
+}
+
 /* View the mapping (buf, len bytes, writable) through the P_COUNT offsets
  * of params: NULL, or why not (the binding raises ValueError with it; h is
  * then not to be used). The fused ops stay off until hot_set_chunks(). */

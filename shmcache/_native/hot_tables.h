@@ -169,20 +169,7 @@ hot_table_drop(HotCore *h, int64_t t)
             if (x)
                 continue;
             h->c[CT] -= TOK(h, b);              /* as the seed's free_block */
-            if (FLAGS(h, b) & CACHED) {         /* to the back: evicted last */
-                int32_t lb = PREV(h, TAIL);
-                NEXT(h, lb) = b;
-                PREV(h, b) = lb;
-                NEXT(h, b) = TAIL;
-                PREV(h, TAIL) = b;
-            }
-            else {                              /* to the front: reused first */
-                int32_t first = NEXT(h, HEAD);
-                PREV(h, first) = b;
-                NEXT(h, b) = first;
-                PREV(h, b) = HEAD;
-                NEXT(h, HEAD) = b;
-            }
+            free_list_put(h, b, FLAGS(h, b) & CACHED);
             C(h, P_C_NUM_FREE) += 1;
         }
         result = len;

@@ -24,7 +24,7 @@ _LINUX = sys.platform.startswith("linux")
 # through pointer casts into one mapping
 _HOT_FLAGS = ["-O2", "-Wall", "-std=c++17", "-fvisibility=hidden", "-fno-strict-aliasing"]
 _HOT_HEADERS = ["hot_params.h", "hot_mutex.h", "hot_localmap.h", "hot_loose.h",
-                "hot_tables.h", "hot_append.h", "hot_index.h", "bind_args.h"]
+                "hot_tables.h", "hot_append.h", "hot_index.h", "hot_fused.h", "bind_args.h", "bind_tables.h"]
 
 
 def _hot():

@@ -9,7 +9,7 @@ from typing import Any, List, Optional, Tuple
 from . import layout as L
 from .blocks import BlockHash, BlockTable, CacheBlock, compute_block_hash, token_bytes
 from .core import PoolOps
-from .views import SharedBlock
+from .views import SharedBlock, SharedBlockTable
 
 logger = logging.getLogger("shmcache.paged_cache")
 
@@ -126,6 +126,16 @@ class PrefixOps(PoolOps):
             return [], 0
         bs = self.block_size
         hashes = self._hashes(token_ids, len(token_ids) // bs, extra_keys)
+        p = self._p
+        fused = getattr(p.native, "acquire", None)
+        # C (_hot.acquire): the table branch below in one call that takes the
+        # lock itself (as tables.prepare_append's); None: nothing changed
+        if (table is not None and fused is not None and not p.lock.unusable
+                and not p.lock.held and type(table) is SharedBlockTable and table._m._p is p):
+            found = fused(table._t, table._rh, b"".join(hashes), p.now(), bs, p.slot,
+                          self._epoch)
+            if found is not None:
+                return [SharedBlock(self, b) for b in found], len(found) * bs
         with self._p.lock:
             self._sync()
             if table is None:
@@ -137,7 +147,6 @@ class PrefixOps(PoolOps):
             else:
                 t = self._table_index(table)
                 found = self._lookup_chain(hashes)
-                p = self._p
                 now = p.now()
                 take = getattr(p.native, "table_take", None) if found else None
                 # C (_hot.table_take): the steps below in one call; None:

@@ -51,7 +51,9 @@ def _serve(m, seed: int) -> list:
                 t = m.create_block_table(rid)
                 tokens = rng.choice(prompts)[:bs * rng.randint(0, 6)]
                 tokens = tokens + [rng.randrange(50) for _ in range(rng.randrange(2 * bs))]
-                got, n = m.acquire_computed_blocks(tokens, table=t)
+                # by table object (the fused acquire) or by request id (a
+                # hold of the caller's around find_chain and table_take)
+                got, n = m.acquire_computed_blocks(tokens, table=t if rng.random() < 0.5 else rid)
                 log.append(("acq", [b.block_id for b in got], n))
                 live.append((rid, t, tokens, n))
             elif op < 0.45:
@@ -106,7 +108,7 @@ def test_the_c_table_ops_leave_the_same_state_as_the_python_ones(max_blocks):
     b = shmcache.PagedCacheManager(**kw)
     b._p.native = b._p.lock.native = PythonOnly(b._p.native)
     calls = {"table_new": 0, "table_drop": 0, "table_take": 0, "table_append": 0,
-             "append": 0, "find_chain": 0}
+             "append": 0, "acquire": 0, "find_chain": 0}
     a._p.native = a._p.lock.native = _Counted(a._p.native, calls)
     try:
         b._root = a._root                        # same chain hashes in both
@@ -115,9 +117,9 @@ def test_the_c_table_ops_leave_the_same_state_as_the_python_ones(max_blocks):
             assert la == lb
             assert _shared_state(a) == _shared_state(b)
             assert a.check() == [] and b.check() == []
-        assert calls["table_drop"] > 50 and calls["table_take"] > 20, calls
-        assert calls["append"] > 50 and calls["find_chain"] > 50, calls
-        assert calls["table_new"] > 50, calls
+        assert calls["table_drop"] > 50 and calls["acquire"] > 20, calls
+        assert calls["append"] > 50 and calls["table_new"] > 50, calls
+        assert calls["table_take"] > 10 and calls["find_chain"] > 20, calls
     finally:
         a.close()
         b.close()
@@ -243,5 +245,50 @@ def test_the_fused_append_takes_the_lock_itself_and_refuses_a_stale_table():
         u = m.create_block_table("u")           # (reuses the record)
         assert u._t == t._t and nat.append(t._t, t._rh, 1, 4, 0.0, p.slot, m._epoch) is None
         assert u.num_tokens == 0 and m.check() == []
+    finally:
+        m.close()
+
+
+@pytest.mark.skipif(not shlock.ACCELERATED, reason="the C accelerator is not built")
+def test_the_fused_acquire_counts_only_what_it_takes_and_refuses_a_stale_table():
+    """acquire() (acquire_computed_blocks into a table) takes the lock itself:
+    the cached run is taken into the table and counted (hits, and the miss
+    that ended it) in one hold; a record no longer the request's, a stale
+    view, a lock this thread holds or hashes not 16 bytes each: None, and
+    nothing changes, the statistics included."""
+    m = shmcache.PagedCacheManager(block_size=4, max_blocks=32)
+    try:
+        p, nat = m._p, m._p.native
+        src = m.create_block_table("src")
+        tokens = list(range(12))
+        m.prepare_append(src, 12)
+        m.cache_full_blocks(src.block_ids, tokens, 0, 3)
+        t = m.create_block_table("t")
+        hs = b"".join(m._hashes(tokens + [99] * 4, 4, None))       # 3 cached, then a miss
+        hits, misses = int(p.c[L.C_HITS]), int(p.c[L.C_MISSES])
+        before = bytes(p.raw)
+        for args in ((t._t, t._rh ^ 1, hs), (t._t + 1, t._rh, hs), (t._t, t._rh, hs[:-1])):
+            assert nat.acquire(*args, 0.0, 4, p.slot, m._epoch) is None, args
+        assert nat.acquire(t._t, t._rh, hs, 0.0, 4, p.slot, m._epoch + 1) is None
+        with p.lock:
+            assert nat.acquire(t._t, t._rh, hs, 0.0, 4, p.slot, m._epoch) is None
+        after = bytearray(p.raw)
+        lo, hi = L.MUTEX_OFF, L.HEADER_SIZE     # (the lock word and the holds' bookkeeping)
+        co = p.layout.counters_off
+        for a, b in ((lo, hi), (co + 8 * L.C_OPS, co + 8 * L.C_OPS + 8),
+                     (co + 8 * L.C_HOLDER, co + 8 * L.C_HOLDER + 8)):
+            after[a:b] = before[a:b]
+        assert bytes(after) == before
+        want = src.block_ids
+        ops = int(p.c[L.C_OPS])
+        got = nat.acquire(t._t, t._rh, hs, 0.0, 4, p.slot, m._epoch)
+        assert int(p.c[L.C_OPS]) == ops + 1 and got == want
+        assert (int(p.c[L.C_HITS]), int(p.c[L.C_MISSES])) == (hits + 3, misses + 1)
+        assert t.block_ids == got and t.num_tokens == 12 and p.c[L.C_DIRTY] == 0
+        assert [m.blocks[b].ref_count for b in got] == [2, 2, 2]
+        assert nat.acquire(t._t, t._rh, b"", 0.0, 4, p.slot, m._epoch) == []   # nothing to look up
+        m.delete_block_table("t")
+        m.delete_block_table("src")
+        assert m.check() == [] and m.free_blocks == 31
     finally:
         m.close()

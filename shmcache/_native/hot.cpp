@@ -18,12 +18,14 @@
 //   hot_tables.h    table_new(), table_drop(), and the checks of the table
 //                   ops, which run inside a lock hold the Python caller took;
 //   hot_append.h    table_take(), table_append(): a table's list grows;
-//   hot_index.h     find_chain(): the prefix lookup, in the same lock hold.
+//   hot_index.h     find_chain(): the prefix lookup, in the same lock hold;
+//   hot_fused.h     append(), acquire(): table ops that take the lock themselves.
 // The Python paths stay the reference (fastpath.py, tables.py, prefix.py,
 // index.py): each C path does what its Python path does (a table op, what
 // it does after its lookups), and None means the Python path runs.
 // bind_args.h holds the Hot object and how the methods take their
-// arguments (as the PyArg_ParseTuple codes of the C module this replaced).
+// arguments (as the PyArg_ParseTuple codes of the C module this replaced);
+// bind_tables.h the methods of the table ops and the prefix lookup.
 // The pool's mapping is held (PyObject_GetBuffer, writable) for the
 // object's life, until release(); the loose map for one call.
 #include <nanobind/nanobind.h>
@@ -37,8 +39,10 @@
 #include "hot_tables.h"
 #include "hot_append.h"
 #include "hot_index.h"
+#include "hot_fused.h"
 
 #include "bind_args.h"
+#include "bind_tables.h"
 
 using namespace hotbind;
 
@@ -205,148 +209,6 @@ nb::object hot_free_py(Hot &self, nb::handle seq, nb::handle slot_, nb::handle e
     return int_result(r);
 }
 
-// table_new(raw, hash, slot) -> the new table, or None (nothing changed).
-nb::object hot_table_new_py(Hot &self, nb::handle raw_, nb::handle hash_, nb::handle slot_) {
-    Py_ssize_t n;
-    const char *raw = as_y(raw_, 1, &n);
-    uint64_t hash = as_K(hash_, 2);
-    int slot = as_i(slot_);
-    int64_t t = hot_table_new(ready(self), raw, n, hash, slot);
-    if (t < 0)
-        return nb::none();
-    return int_result(t);
-}
-
-// table_drop(t) -> references released, or None (nothing changed).
-nb::object hot_table_drop_py(Hot &self, nb::handle t_) {
-    Py_ssize_t t = as_n(t_);
-    int64_t r = hot_table_drop(ready(self), t);
-    if (r == HOT_NOMEM)
-        raise_no_memory();
-    if (r < 0)
-        return nb::none();
-    return int_result(r);
-}
-
-// table_take(t, ids, now, tokens) -> len(ids), or None (nothing changed).
-nb::object hot_table_take_py(Hot &self, nb::handle t_, nb::handle seq, nb::handle now_,
-                             nb::handle tokens_) {
-    Py_ssize_t t = as_n(t_);
-    double now = as_d(now_);
-    Py_ssize_t tokens = as_n(tokens_);
-    HotCore *h = ready(self);
-    nb::object fast = fast_seq(seq, "ids must be a sequence");
-    if (!fast.is_valid()) {
-        // (a table op that would refuse anyway refuses before it reads ids)
-        if (!hot_table_ops_on(h, t)) {
-            PyErr_Clear();
-            return nb::none();
-        }
-        throw_error();
-    }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast.ptr());
-    if (n <= 0 || n >= h->p[P_MAX_BLOCKS])      // (before sizing anything by n)
-        return nb::none();
-    Ids<256> bs(n);
-    if (!read_ids(h, fast.ptr(), bs.p, n))
-        return nb::none();
-    int64_t r = hot_table_take(h, t, bs.p, n, now, tokens);
-    if (r == HOT_NOMEM)
-        raise_no_memory();
-    if (r < 0)
-        return nb::none();
-    return int_result(r);
-}
-
-// table_append(t, n, bs, now) -> the ids of the blocks the n new tokens
-// land in, or None (nothing changed).
-nb::object hot_table_append_py(Hot &self, nb::handle t_, nb::handle n_, nb::handle bs_,
-                               nb::handle now_) {
-    Py_ssize_t t = as_n(t_), n = as_n(n_), bs = as_n(bs_);
-    double now = as_d(now_);
-    HotCore *h = ready(self);
-    int64_t span = hot_table_append_span(h, t, n, bs);
-    if (span < 0)
-        return nb::none();
-    Ids<64> out(span);
-    PyObject *list = nullptr;
-    int64_t r = hot_table_append(h, t, n, bs, now, out.p, span, build_list, &list);
-    if (r == HOT_REFUSED)
-        throw_error();
-    if (r == HOT_NOMEM)
-        raise_no_memory();
-    if (r < 0)
-        return nb::none();
-    return nb::steal(list);
-}
-
-// append(t, rhash, n, bs, now, slot, epoch) -> the ids of the blocks the n
-// new tokens land in, or None (nothing changed): table_append as a fused op
-// that takes the lock itself (hot_append), for table t whose request id's
-// hash is rhash.
-nb::object hot_append_py(Hot &self, nb::handle t_, nb::handle rhash_, nb::handle n_,
-                         nb::handle bs_, nb::handle now_, nb::handle slot_, nb::handle epoch_) {
-    Py_ssize_t t = as_n(t_);
-    uint64_t rhash = as_K(rhash_, 2);
-    Py_ssize_t n = as_n(n_), bs = as_n(bs_);
-    double now = as_d(now_);
-    int slot = as_i(slot_);
-    long long epoch = as_L(epoch_);
-    HotCore *h = ready(self);
-    // (sized before the lock from the table as it is; the op refuses when
-    // the span it finds under the lock does not fit)
-    int64_t span = hot_table_append_span(h, t, n, bs);
-    if (span < 0)
-        return nb::none();
-    Ids<64> out(span);
-    PyObject *list = nullptr;
-    int64_t r = hot_append(h, t, rhash, n, bs, now, slot, epoch, out.p, span, build_list, &list);
-    for (int turn = 0; r == HOT_BUSY && turn < FUSED_TURNS && wait_turn(self); turn++)
-        r = hot_append(h, t, rhash, n, bs, now, slot, epoch, out.p, span, build_list, &list);
-    if (r == HOT_REFUSED)
-        throw_error();
-    if (r == HOT_NOMEM)
-        raise_no_memory();
-    if (r < 0)
-        return nb::none();
-    return nb::steal(list);
-}
-
-// find_chain(hashes) -> the blocks of the longest cached run of hashes
-// from the first, or None (a probe met an entry out of range or went all
-// the way round: the Python path meets the same and raises). Each hash is
-// 16 bytes (else None).
-nb::object hot_find_chain_py(Hot &self, nb::handle seq) {
-    HotCore *h = ready(self);
-    if (!hot_index_on(h))
-        return nb::none();
-    nb::object fast = fast_seq(seq, "hashes must be a sequence");
-    if (!fast.is_valid())
-        throw_error();
-    nb::object out = nb::steal(PyList_New(0));
-    if (!out.is_valid())
-        throw_error();
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast.ptr());
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *o = PySequence_Fast_GET_ITEM(fast.ptr(), i);
-        if (!PyBytes_CheckExact(o) || PyBytes_GET_SIZE(o) != 16)
-            return nb::none();
-        int64_t e = hot_index_find(h, (const unsigned char *)PyBytes_AS_STRING(o));
-        if (e < 0)
-            return nb::none();
-        if (e == 0)
-            break;
-        PyObject *bo = PyLong_FromLong((long)e);
-        if (!bo)
-            throw_error();
-        int failed = PyList_Append(out.ptr(), bo);
-        Py_DECREF(bo);
-        if (failed)
-            throw_error();
-    }
-    return out;
-}
-
 }  // namespace
 
 NB_MODULE(_hot, m) {
@@ -382,6 +244,9 @@ NB_MODULE(_hot, m) {
              "find_chain(hashes) -> blocks of the longest cached run, or None (lock held by the caller).")
         .def("append", &hot_append_py,
              "append(t, rhash, n, bs, now, slot, epoch) -> ids the tokens land in, or None "
+             "(takes the lock itself).")
+        .def("acquire", &hot_acquire_py,
+             "acquire(t, rhash, hashes, now, bs, slot, epoch) -> ids taken into table t, or None "
              "(takes the lock itself).")
         .def("table_append", &hot_table_append_py,
              "table_append(t, n, bs, now) -> ids the tokens land in, or None (lock held by the caller).");

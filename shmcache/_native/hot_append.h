@@ -5,8 +5,8 @@
  *
  * Both run inside the caller's lock hold and check everything before their
  * first write, as hot_tables.h says; both take new chunks for the list from
- * the free chunk list's front, as refs.table_extend does. append() is
- * table_append() as a fused op that takes the lock itself.
+ * the free chunk list's front, as refs.table_extend does. (hot_fused.h
+ * runs them as fused ops that take the lock themselves.)
  */
 #ifndef SHMCACHE_HOT_APPEND_H
 #define SHMCACHE_HOT_APPEND_H
@@ -286,45 +286,6 @@ done:
         free(nbs);
     }
     return result;
-}
-
-/* append(t, rhash, n, bs, now, slot, epoch): tables.prepare_append's common
- * case as one fused op that takes the lock itself, as alloc() and free() do
- * (hot_loose.h), instead of inside a hold the Python caller takes: the
- * table is named by its index and its request id's hash (views.py's
- * SharedBlockTable keeps both), and the op runs only when the table is still
- * that one (else it was deleted, and maybe its record reused: the slow path
- * says so). Results as hot_table_append's, plus HOT_BUSY (nothing changed):
- * the lock stayed busy through the spin (the binding waits its turn and
- * tries again).
- * NOTE: the dirty mark is set before the first write and cleared after the
- * last (begin_update, leave), as a Python hold does on entry and exit; a
- * holder killed in between leaves the pool dirty for the next one to
- * repair. table_append writes nothing unless it succeeds, so clearing the
- * mark after a refusal is right. */
-static inline int64_t
-hot_append(HotCore *h, int64_t t, uint64_t rhash, int64_t n, int64_t bs, double now,
-           int slot, long long epoch, int32_t *out, int64_t room, hot_accept_fn accept,
-           void *ctx)
-{
-    int64_t r;
-    uint64_t have;
-    int e;
-
-    if (h->p[P_MAX_TABLES] <= 0 || t < 0 || t >= h->p[P_MAX_TABLES] || slot < 0 ||
-        slot >= h->p[P_MAX_SLOTS])
-        return HOT_SLOW;
-    if ((e = enter(h, epoch, slot)) < 0)
-        return e == -2 ? HOT_BUSY : HOT_SLOW;
-    memcpy(&have, h->base + h->p[P_TABLES_OFF] + t * h->p[P_TABLE_SIZE] + h->p[P_T_RHASH], 8);
-    if (TF(h, t, P_T_STATE) != 1 || have != rhash) {
-        leave(h, 0);
-        return HOT_SLOW;
-    }
-    begin_update(h);
-    r = hot_table_append(h, t, n, bs, now, out, room, accept, ctx);
-    leave(h, 1);
-    return r;
 }
 
 #endif

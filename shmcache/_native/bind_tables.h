@@ -1,0 +1,201 @@
+// shmcache/_native/bind_tables.h: the binding side of shmcache._hot's table
+// ops and prefix lookup (hot.cpp, the one unit that includes this, puts them
+// in the module): table_new, table_drop, table_take, table_append and
+// find_chain run inside a hold the Python caller took; append and acquire
+// (hot_fused.h) take the lock themselves. Each converts its arguments
+// (bind_args.h), calls the core and turns HOT_SLOW into None.
+#ifndef SHMCACHE_BIND_TABLES_H
+#define SHMCACHE_BIND_TABLES_H
+
+#include <nanobind/nanobind.h>
+
+#include <cstdint>
+
+#include "bind_args.h"
+#include "hot_append.h"
+#include "hot_fused.h"
+#include "hot_index.h"
+#include "hot_tables.h"
+
+namespace hotbind {
+
+// table_new(raw, hash, slot) -> the new table, or None (nothing changed).
+nb::object hot_table_new_py(Hot &self, nb::handle raw_, nb::handle hash_, nb::handle slot_) {
+    Py_ssize_t n;
+    const char *raw = as_y(raw_, 1, &n);
+    uint64_t hash = as_K(hash_, 2);
+    int slot = as_i(slot_);
+    int64_t t = hot_table_new(ready(self), raw, n, hash, slot);
+    if (t < 0)
+        return nb::none();
+    return int_result(t);
+}
+
+// table_drop(t) -> references released, or None (nothing changed).
+nb::object hot_table_drop_py(Hot &self, nb::handle t_) {
+    Py_ssize_t t = as_n(t_);
+    int64_t r = hot_table_drop(ready(self), t);
+    if (r == HOT_NOMEM)
+        raise_no_memory();
+    if (r < 0)
+        return nb::none();
+    return int_result(r);
+}
+
+// table_take(t, ids, now, tokens) -> len(ids), or None (nothing changed).
+nb::object hot_table_take_py(Hot &self, nb::handle t_, nb::handle seq, nb::handle now_,
+                             nb::handle tokens_) {
+    Py_ssize_t t = as_n(t_);
+    double now = as_d(now_);
+    Py_ssize_t tokens = as_n(tokens_);
+    HotCore *h = ready(self);
+    nb::object fast = fast_seq(seq, "ids must be a sequence");
+    if (!fast.is_valid()) {
+        // (a table op that would refuse anyway refuses before it reads ids)
+        if (!hot_table_ops_on(h, t)) {
+            PyErr_Clear();
+            return nb::none();
+        }
+        throw_error();
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast.ptr());
+    if (n <= 0 || n >= h->p[P_MAX_BLOCKS])      // (before sizing anything by n)
+        return nb::none();
+    Ids<256> bs(n);
+    if (!read_ids(h, fast.ptr(), bs.p, n))
+        return nb::none();
+    int64_t r = hot_table_take(h, t, bs.p, n, now, tokens);
+    if (r == HOT_NOMEM)
+        raise_no_memory();
+    if (r < 0)
+        return nb::none();
+    return int_result(r);
+}
+
+// table_append(t, n, bs, now) -> the ids of the blocks the n new tokens
+// land in, or None (nothing changed).
+nb::object hot_table_append_py(Hot &self, nb::handle t_, nb::handle n_, nb::handle bs_,
+                               nb::handle now_) {
+    Py_ssize_t t = as_n(t_), n = as_n(n_), bs = as_n(bs_);
+    double now = as_d(now_);
+    HotCore *h = ready(self);
+    int64_t span = hot_table_append_span(h, t, n, bs);
+    if (span < 0)
+        return nb::none();
+    Ids<64> out(span);
+    PyObject *list = nullptr;
+    int64_t r = hot_table_append(h, t, n, bs, now, out.p, span, build_list, &list);
+    if (r == HOT_REFUSED)
+        throw_error();
+    if (r == HOT_NOMEM)
+        raise_no_memory();
+    if (r < 0)
+        return nb::none();
+    return nb::steal(list);
+}
+
+// append(t, rhash, n, bs, now, slot, epoch) -> the ids of the blocks the n
+// new tokens land in, or None (nothing changed): table_append as a fused op
+// that takes the lock itself (hot_append), for table t whose request id's
+// hash is rhash.
+nb::object hot_append_py(Hot &self, nb::handle t_, nb::handle rhash_, nb::handle n_,
+                         nb::handle bs_, nb::handle now_, nb::handle slot_, nb::handle epoch_) {
+    Py_ssize_t t = as_n(t_);
+    uint64_t rhash = as_K(rhash_, 2);
+    Py_ssize_t n = as_n(n_), bs = as_n(bs_);
+    double now = as_d(now_);
+    int slot = as_i(slot_);
+    long long epoch = as_L(epoch_);
+    HotCore *h = ready(self);
+    // (sized before the lock from the table as it is; the op refuses when
+    // the span it finds under the lock does not fit)
+    int64_t span = hot_table_append_span(h, t, n, bs);
+    if (span < 0)
+        return nb::none();
+    Ids<64> out(span);
+    PyObject *list = nullptr;
+    int64_t r = hot_append(h, t, rhash, n, bs, now, slot, epoch, out.p, span, build_list, &list);
+    for (int turn = 0; r == HOT_BUSY && turn < FUSED_TURNS && wait_turn(self); turn++)
+        r = hot_append(h, t, rhash, n, bs, now, slot, epoch, out.p, span, build_list, &list);
+    if (r == HOT_REFUSED)
+        throw_error();
+    if (r == HOT_NOMEM)
+        raise_no_memory();
+    if (r < 0)
+        return nb::none();
+    return nb::steal(list);
+}
+
+// acquire(t, rhash, hashes, now, bs, slot, epoch) -> the ids of the blocks
+// of the longest cached run of hashes (16 bytes each, concatenated), taken
+// into table t, or None (nothing changed): find_chain and table_take in a
+// hold of their own (hot_acquire).
+nb::object hot_acquire_py(Hot &self, nb::handle t_, nb::handle rhash_, nb::handle hashes_,
+                          nb::handle now_, nb::handle bs_, nb::handle slot_,
+                          nb::handle epoch_) {
+    Py_ssize_t t = as_n(t_), len;
+    uint64_t rhash = as_K(rhash_, 2);
+    const char *hashes = as_y(hashes_, 3, &len);
+    double now = as_d(now_);
+    Py_ssize_t bs = as_n(bs_);
+    int slot = as_i(slot_);
+    long long epoch = as_L(epoch_);
+    HotCore *h = ready(self);
+    if (len % 16 || len / 16 >= h->p[P_MAX_BLOCKS])    // (before sizing anything by it)
+        return nb::none();
+    Py_ssize_t nh = len / 16;
+    Ids<64> out(nh ? nh : 1);
+    PyObject *list = nullptr;
+    const unsigned char *hs = (const unsigned char *)hashes;
+    int64_t r = hot_acquire(h, t, rhash, hs, nh, now, bs, slot, epoch, out.p, build_list, &list);
+    for (int turn = 0; r == HOT_BUSY && turn < FUSED_TURNS && wait_turn(self); turn++)
+        r = hot_acquire(h, t, rhash, hs, nh, now, bs, slot, epoch, out.p, build_list, &list);
+    if (r == HOT_REFUSED)
+        throw_error();
+    if (r == HOT_NOMEM || r < 0)
+        Py_XDECREF(list);                   // (built, then the op refused)
+    if (r == HOT_NOMEM)
+        raise_no_memory();
+    if (r < 0)
+        return nb::none();
+    return nb::steal(list);
+}
+
+// find_chain(hashes) -> the blocks of the longest cached run of hashes
+// from the first, or None (a probe met an entry out of range or went all
+// the way round: the Python path meets the same and raises). Each hash is
+// 16 bytes (else None).
+nb::object hot_find_chain_py(Hot &self, nb::handle seq) {
+    HotCore *h = ready(self);
+    if (!hot_index_on(h))
+        return nb::none();
+    nb::object fast = fast_seq(seq, "hashes must be a sequence");
+    if (!fast.is_valid())
+        throw_error();
+    nb::object out = nb::steal(PyList_New(0));
+    if (!out.is_valid())
+        throw_error();
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast.ptr());
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *o = PySequence_Fast_GET_ITEM(fast.ptr(), i);
+        if (!PyBytes_CheckExact(o) || PyBytes_GET_SIZE(o) != 16)
+            return nb::none();
+        int64_t e = hot_index_find(h, (const unsigned char *)PyBytes_AS_STRING(o));
+        if (e < 0)
+            return nb::none();
+        if (e == 0)
+            break;
+        PyObject *bo = PyLong_FromLong((long)e);
+        if (!bo)
+            throw_error();
+        int failed = PyList_Append(out.ptr(), bo);
+        Py_DECREF(bo);
+        if (failed)
+            throw_error();
+    }
+    return out;
+}
+
+}  // namespace hotbind
+
+#endif

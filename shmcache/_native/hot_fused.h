@@ -1,0 +1,111 @@
+/* shmcache/_native/hot_fused.h: two table ops of a request's life as fused
+ * ops that take the lock themselves, as alloc() and free() do (hot_loose.h),
+ * instead of running inside a hold the Python caller takes: append()
+ * (tables.prepare_append's common case, over table_append) and acquire()
+ * (the table branch of prefix.acquire_computed_blocks: find_chain, then
+ * table_take). Included by hot.cpp.
+ *
+ * The table is named by its index and its request id's hash (views.py's
+ * SharedBlockTable keeps both): an op runs only while the record still
+ * holds that table (else it was deleted, its record perhaps reused, and the
+ * slow path says so). Results as the ops they wrap, plus HOT_BUSY (nothing
+ * changed): the lock stayed busy through the spin, and the binding waits its
+ * turn (hot_wait_turn) and tries again.
+ *
+ * NOTE: the dirty mark is set before the first write and cleared after the
+ * last (begin_update, leave), as a Python hold does on entry and exit; a
+ * holder killed in between leaves the pool dirty for the next one to
+ * repair. The wrapped ops write nothing unless they succeed, so clearing the
+ * mark after a refusal is right.
+ */
+#ifndef SHMCACHE_HOT_FUSED_H
+#define SHMCACHE_HOT_FUSED_H
+
+#include "hot_append.h"
+#include "hot_index.h"
+
+#include <stdint.h>
+#include <string.h>
+
+/* Take the lock for a fused table op on table t of request-id hash rhash:
+ * 0 (held, the pool clean, the view current, the table that one), or
+ * HOT_BUSY / HOT_SLOW with the lock not held. */
+static inline int
+enter_table(HotCore *h, int64_t t, uint64_t rhash, int slot, long long epoch)
+{
+    uint64_t have;
+    int e;
+    if (h->p[P_MAX_TABLES] <= 0 || t < 0 || t >= h->p[P_MAX_TABLES] || slot < 0 ||
+        slot >= h->p[P_MAX_SLOTS])
+        return HOT_SLOW;
+    if ((e = enter(h, epoch, slot)) < 0)
+        return e == -2 ? HOT_BUSY : HOT_SLOW;
+    memcpy(&have, h->base + h->p[P_TABLES_OFF] + t * h->p[P_TABLE_SIZE] + h->p[P_T_RHASH], 8);
+    if (TF(h, t, P_T_STATE) != 1 || have != rhash) {
+        leave(h, 0);
+        return HOT_SLOW;
+    }
+    return 0;
+}
+
+/* append(t, rhash, n, bs, now, slot, epoch): table_append (hot_append.h)
+ * in a hold of its own. */
+static inline int64_t
+hot_append(HotCore *h, int64_t t, uint64_t rhash, int64_t n, int64_t bs, double now,
+           int slot, long long epoch, int32_t *out, int64_t room, hot_accept_fn accept,
+           void *ctx)
+{
+    int64_t r = enter_table(h, t, rhash, slot, epoch);
+    if (r < 0)
+        return r;
+    begin_update(h);
+    r = hot_table_append(h, t, n, bs, now, out, room, accept, ctx);
+    leave(h, 1);
+    return r;
+}
+
+/* acquire(t, rhash, hashes, nh, now, bs, slot, epoch): the blocks of the
+ * longest cached run of the nh 16-byte hashes (hot_index_find), taken into
+ * table t (hot_table_take, bs tokens each) and their ids written to out
+ * (room for nh); accept sees them before the first write (nonzero: refused,
+ * HOT_REFUSED, nothing changed). The number of blocks, or HOT_SLOW,
+ * HOT_NOMEM, HOT_BUSY, HOT_REFUSED: nothing changed. The hits and the miss
+ * that ended the run are counted only when it succeeds (prefix.py's
+ * _count_lookup). */
+static inline int64_t
+hot_acquire(HotCore *h, int64_t t, uint64_t rhash, const unsigned char *hashes, int64_t nh,
+            double now, int64_t bs, int slot, long long epoch, int32_t *out,
+            hot_accept_fn accept, void *ctx)
+{
+    int64_t n, r;
+    if (!hot_index_on(h) || nh < 0 || nh >= h->p[P_MAX_BLOCKS] || bs <= 0 || bs > 65535)
+        return HOT_SLOW;
+    if ((r = enter_table(h, t, rhash, slot, epoch)) < 0)
+        return r;
+    for (n = 0; n < nh; n++) {
+        int64_t b = hot_index_find(h, hashes + 16 * n);
+        if (b == 0)
+            break;
+        if (b < 0) {                /* the Python path meets it and raises */
+            leave(h, 0);
+            return HOT_SLOW;
+        }
+        out[n] = (int32_t)b;
+    }
+    if (accept(ctx, out, n)) {
+        leave(h, 0);
+        return HOT_REFUSED;
+    }
+    begin_update(h);
+    if (n > 0 && (r = hot_table_take(h, t, out, n, now, bs * n)) < 0) {
+        leave(h, 1);
+        return r;
+    }
+    C(h, P_C_HITS) += n;
+    if (n < nh)
+        C(h, P_C_MISSES) += 1;
+    leave(h, 1);
+    return n;
+}
+
+#endif

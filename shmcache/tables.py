@@ -29,6 +29,15 @@ class TableOps(PoolOps):
             CapacityError: every table slot is in use.
         """
         key = rid_key(request_id)           # (hashed before the lock)
+        p = self._p
+        fused = getattr(p.native, "new_table", None)
+        # C (_hot.new_table): the table made in a hold the C op takes itself;
+        # None: nothing changed, and the path below makes it or raises
+        if fused is not None and not p.lock.unusable and not p.lock.held:
+            t = fused(key[0], key[1], p.slot, self._epoch)
+            if t is not None:
+                self._tcache[t] = (key[1], None, {})
+                return SharedBlockTable(self, t, request_id, key[1])
         with self._p.lock:
             self._sync()
             new = getattr(self._p.native, "table_new", None)

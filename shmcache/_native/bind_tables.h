@@ -1,8 +1,8 @@
 // shmcache/_native/bind_tables.h: the binding side of shmcache._hot's table
 // ops and prefix lookup (hot.cpp, the one unit that includes this, puts them
 // in the module): table_new, table_drop, table_take, table_append and
-// find_chain run inside a hold the Python caller took; append and acquire
-// (hot_fused.h) take the lock themselves. Each converts its arguments
+// find_chain run inside a hold the Python caller took; new_table, append
+// and acquire (hot_fused.h) take the lock themselves. Each converts its arguments
 // (bind_args.h), calls the core and turns HOT_SLOW into None.
 #ifndef SHMCACHE_BIND_TABLES_H
 #define SHMCACHE_BIND_TABLES_H
@@ -26,6 +26,24 @@ nb::object hot_table_new_py(Hot &self, nb::handle raw_, nb::handle hash_, nb::ha
     uint64_t hash = as_K(hash_, 2);
     int slot = as_i(slot_);
     int64_t t = hot_table_new(ready(self), raw, n, hash, slot);
+    if (t < 0)
+        return nb::none();
+    return int_result(t);
+}
+
+// new_table(raw, hash, slot, epoch) -> the new table, or None (nothing
+// changed): table_new in a hold of its own (hot_new_table).
+nb::object hot_new_table_py(Hot &self, nb::handle raw_, nb::handle hash_, nb::handle slot_,
+                            nb::handle epoch_) {
+    Py_ssize_t n;
+    const char *raw = as_y(raw_, 1, &n);
+    uint64_t hash = as_K(hash_, 2);
+    int slot = as_i(slot_);
+    long long epoch = as_L(epoch_);
+    HotCore *h = ready(self);
+    int64_t t = hot_new_table(h, raw, n, hash, slot, epoch);
+    for (int turn = 0; t == HOT_BUSY && turn < FUSED_TURNS && wait_turn(self); turn++)
+        t = hot_new_table(h, raw, n, hash, slot, epoch);
     if (t < 0)
         return nb::none();
     return int_result(t);

@@ -1,9 +1,10 @@
-/* shmcache/_native/hot_fused.h: two table ops of a request's life as fused
+/* shmcache/_native/hot_fused.h: three table ops of a request's life as fused
  * ops that take the lock themselves, as alloc() and free() do (hot_loose.h),
- * instead of running inside a hold the Python caller takes: append()
- * (tables.prepare_append's common case, over table_append) and acquire()
- * (the table branch of prefix.acquire_computed_blocks: find_chain, then
- * table_take). Included by hot.cpp.
+ * instead of running inside a hold the Python caller takes: new_table()
+ * (tables.create_block_table, over table_new), append() (prepare_append's
+ * common case, over table_append) and acquire() (the table branch of
+ * prefix.acquire_computed_blocks: find_chain, then table_take). Included by
+ * hot.cpp.
  *
  * The table is named by its index and its request id's hash (views.py's
  * SharedBlockTable keeps both): an op runs only while the record still
@@ -46,6 +47,23 @@ enter_table(HotCore *h, int64_t t, uint64_t rhash, int slot, long long epoch)
         return HOT_SLOW;
     }
     return 0;
+}
+
+/* new_table(raw, n, hash, slot, epoch): table_new (hot_tables.h) in a hold
+ * of its own: the new table, or HOT_SLOW / HOT_BUSY (nothing changed). */
+static inline int64_t
+hot_new_table(HotCore *h, const char *raw, int64_t n, uint64_t hash, int slot, long long epoch)
+{
+    int64_t t;
+    int e;
+    if (slot < 0 || slot >= h->p[P_MAX_SLOTS] || h->p[P_MAX_TABLES] <= 0)
+        return HOT_SLOW;
+    if ((e = enter(h, epoch, slot)) < 0)
+        return e == -2 ? HOT_BUSY : HOT_SLOW;
+    begin_update(h);
+    t = hot_table_new(h, raw, n, hash, slot);
+    leave(h, 1);
+    return t;
 }
 
 /* append(t, rhash, n, bs, now, slot, epoch): table_append (hot_append.h)

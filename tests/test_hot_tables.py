@@ -20,6 +20,18 @@ from _mutex import PythonOnly
 
 # ------------------------------------------- the table ops: C against Python
 
+def assert_unchanged_but_the_lock(p, before: bytes) -> None:
+    """The pool's bytes are ``before``'s, but for the lock word and the
+    holds' bookkeeping (the ops count, the last holder): a refused op took
+    and left the lock, and changed nothing else."""
+    after = bytearray(p.raw)
+    co = p.layout.counters_off
+    for a, b in ((L.MUTEX_OFF, L.HEADER_SIZE), (co + 8 * L.C_OPS, co + 8 * L.C_OPS + 8),
+                 (co + 8 * L.C_HOLDER, co + 8 * L.C_HOLDER + 8)):
+        after[a:b] = before[a:b]
+    assert bytes(after) == before
+
+
 def _shared_state(m):
     """The segment's metadata the table ops touch, minus what differs between
     two pools by construction (seeds, times, lock bookkeeping)."""
@@ -175,13 +187,7 @@ def test_the_table_ops_refuse_outside_a_lock_hold_and_bad_arguments():
                 assert nat.table_take(t._t, bad, 0.0, 4) is None, bad
             assert nat.find_chain([b"short"]) is None
             assert nat.find_chain([]) == []
-        after = bytearray(p.raw)
-        # (the lock word and the hold's bookkeeping differ; the pool does not)
-        lo, hi = L.MUTEX_OFF, L.HEADER_SIZE
-        co = p.layout.counters_off
-        for a, b in ((lo, hi), (co + 8 * L.C_OPS, co + 8 * L.C_OPS + 8)):
-            after[a:b] = before[a:b]
-        assert bytes(after) == before
+        assert_unchanged_but_the_lock(p, before)
         m.delete_block_table("t")
         assert m.check() == [] and m.free_blocks == 31
     finally:
@@ -236,13 +242,7 @@ def test_the_fused_append_takes_the_lock_itself_and_refuses_a_stale_table():
         assert nat.append(t._t, t._rh, 1, 4, 0.0, p.slot, m._epoch + 1) is None   # stale view
         assert nat.append(t._t, t._rh, 0, 4, 0.0, p.slot, m._epoch) is None       # (Python's)
         assert nat.append(t._t, t._rh, 1, 4, 0.0, -1, m._epoch) is None
-        after = bytearray(p.raw)
-        lo, hi = L.MUTEX_OFF, L.HEADER_SIZE     # (the lock word and the holds' bookkeeping)
-        co = p.layout.counters_off
-        for a, b in ((lo, hi), (co + 8 * L.C_OPS, co + 8 * L.C_OPS + 8),
-                     (co + 8 * L.C_HOLDER, co + 8 * L.C_HOLDER + 8)):
-            after[a:b] = before[a:b]
-        assert bytes(after) == before
+        assert_unchanged_but_the_lock(p, before)
         with p.lock:                            # held by this thread: not reentrant
             assert nat.append(t._t, t._rh, 1, 4, 0.0, p.slot, m._epoch) is None
             assert [b.block_id for b in m.prepare_append(t, 1)] == [ids[1]]   # Python path
@@ -277,13 +277,7 @@ def test_the_fused_acquire_counts_only_what_it_takes_and_refuses_a_stale_table()
         assert nat.acquire(t._t, t._rh, hs, 0.0, 4, p.slot, m._epoch + 1) is None
         with p.lock:
             assert nat.acquire(t._t, t._rh, hs, 0.0, 4, p.slot, m._epoch) is None
-        after = bytearray(p.raw)
-        lo, hi = L.MUTEX_OFF, L.HEADER_SIZE     # (the lock word and the holds' bookkeeping)
-        co = p.layout.counters_off
-        for a, b in ((lo, hi), (co + 8 * L.C_OPS, co + 8 * L.C_OPS + 8),
-                     (co + 8 * L.C_HOLDER, co + 8 * L.C_HOLDER + 8)):
-            after[a:b] = before[a:b]
-        assert bytes(after) == before
+        assert_unchanged_but_the_lock(p, before)
         want = src.block_ids
         ops = int(p.c[L.C_OPS])
         got = nat.acquire(t._t, t._rh, hs, 0.0, 4, p.slot, m._epoch)
@@ -317,13 +311,7 @@ def test_the_fused_new_table_takes_the_lock_itself_and_refuses_what_python_raise
         assert nat.new_table(raw_b, h_b, -1, m._epoch) is None
         with p.lock:                                                    # held here
             assert nat.new_table(raw_b, h_b, p.slot, m._epoch) is None
-        after = bytearray(p.raw)
-        lo, hi = L.MUTEX_OFF, L.HEADER_SIZE     # (the lock word and the holds' bookkeeping)
-        co = p.layout.counters_off
-        for a, b in ((lo, hi), (co + 8 * L.C_OPS, co + 8 * L.C_OPS + 8),
-                     (co + 8 * L.C_HOLDER, co + 8 * L.C_HOLDER + 8)):
-            after[a:b] = before[a:b]
-        assert bytes(after) == before
+        assert_unchanged_but_the_lock(p, before)
         m.create_block_table("b")
         assert nat.new_table(*rid_key("c"), p.slot, m._epoch) is None   # no table free
         with pytest.raises(shmcache.CapacityError):

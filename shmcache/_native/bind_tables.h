@@ -19,6 +19,32 @@
 
 namespace hotbind {
 
+// A count (or a table) from an op, or None when it refused (nothing
+// changed); its lack of memory raised.
+nb::object count_result(int64_t r) {
+    if (r == HOT_NOMEM)
+        raise_no_memory();
+    if (r < 0)
+        return nb::none();
+    return int_result(r);
+}
+
+// A table op's result: the list of ids its accept built (build_list, before
+// the op's first write), or None when it refused (nothing changed; a list
+// built before a later refusal is dropped); the accept's MemoryError, or
+// the op's lack of memory, raised.
+nb::object list_result(int64_t r, PyObject *list) {
+    if (r < 0)
+        Py_XDECREF(list);
+    if (r == HOT_REFUSED)
+        throw_error();
+    if (r == HOT_NOMEM)
+        raise_no_memory();
+    if (r < 0)
+        return nb::none();
+    return nb::steal(list);
+}
+
 // table_new(raw, hash, slot) -> the new table, or None (nothing changed).
 nb::object hot_table_new_py(Hot &self, nb::handle raw_, nb::handle hash_, nb::handle slot_) {
     Py_ssize_t n;
@@ -26,9 +52,7 @@ nb::object hot_table_new_py(Hot &self, nb::handle raw_, nb::handle hash_, nb::ha
     uint64_t hash = as_K(hash_, 2);
     int slot = as_i(slot_);
     int64_t t = hot_table_new(ready(self), raw, n, hash, slot);
-    if (t < 0)
-        return nb::none();
-    return int_result(t);
+    return count_result(t);
 }
 
 // new_table(raw, hash, slot, epoch) -> the new table, or None (nothing
@@ -44,20 +68,14 @@ nb::object hot_new_table_py(Hot &self, nb::handle raw_, nb::handle hash_, nb::ha
     int64_t t = hot_new_table(h, raw, n, hash, slot, epoch);
     for (int turn = 0; t == HOT_BUSY && turn < FUSED_TURNS && wait_turn(self); turn++)
         t = hot_new_table(h, raw, n, hash, slot, epoch);
-    if (t < 0)
-        return nb::none();
-    return int_result(t);
+    return count_result(t);
 }
 
 // table_drop(t) -> references released, or None (nothing changed).
 nb::object hot_table_drop_py(Hot &self, nb::handle t_) {
     Py_ssize_t t = as_n(t_);
     int64_t r = hot_table_drop(ready(self), t);
-    if (r == HOT_NOMEM)
-        raise_no_memory();
-    if (r < 0)
-        return nb::none();
-    return int_result(r);
+    return count_result(r);
 }
 
 // table_take(t, ids, now, tokens) -> len(ids), or None (nothing changed).
@@ -83,11 +101,7 @@ nb::object hot_table_take_py(Hot &self, nb::handle t_, nb::handle seq, nb::handl
     if (!read_ids(h, fast.ptr(), bs.p, n))
         return nb::none();
     int64_t r = hot_table_take(h, t, bs.p, n, now, tokens);
-    if (r == HOT_NOMEM)
-        raise_no_memory();
-    if (r < 0)
-        return nb::none();
-    return int_result(r);
+    return count_result(r);
 }
 
 // table_append(t, n, bs, now) -> the ids of the blocks the n new tokens
@@ -103,13 +117,7 @@ nb::object hot_table_append_py(Hot &self, nb::handle t_, nb::handle n_, nb::hand
     Ids<64> out(span);
     PyObject *list = nullptr;
     int64_t r = hot_table_append(h, t, n, bs, now, out.p, span, build_list, &list);
-    if (r == HOT_REFUSED)
-        throw_error();
-    if (r == HOT_NOMEM)
-        raise_no_memory();
-    if (r < 0)
-        return nb::none();
-    return nb::steal(list);
+    return list_result(r, list);
 }
 
 // append(t, rhash, n, bs, now, slot, epoch) -> the ids of the blocks the n
@@ -135,13 +143,7 @@ nb::object hot_append_py(Hot &self, nb::handle t_, nb::handle rhash_, nb::handle
     int64_t r = hot_append(h, t, rhash, n, bs, now, slot, epoch, out.p, span, build_list, &list);
     for (int turn = 0; r == HOT_BUSY && turn < FUSED_TURNS && wait_turn(self); turn++)
         r = hot_append(h, t, rhash, n, bs, now, slot, epoch, out.p, span, build_list, &list);
-    if (r == HOT_REFUSED)
-        throw_error();
-    if (r == HOT_NOMEM)
-        raise_no_memory();
-    if (r < 0)
-        return nb::none();
-    return nb::steal(list);
+    return list_result(r, list);
 }
 
 // acquire(t, rhash, hashes, now, bs, slot, epoch) -> the ids of the blocks
@@ -168,15 +170,7 @@ nb::object hot_acquire_py(Hot &self, nb::handle t_, nb::handle rhash_, nb::handl
     int64_t r = hot_acquire(h, t, rhash, hs, nh, now, bs, slot, epoch, out.p, build_list, &list);
     for (int turn = 0; r == HOT_BUSY && turn < FUSED_TURNS && wait_turn(self); turn++)
         r = hot_acquire(h, t, rhash, hs, nh, now, bs, slot, epoch, out.p, build_list, &list);
-    if (r == HOT_REFUSED)
-        throw_error();
-    if (r == HOT_NOMEM || r < 0)
-        Py_XDECREF(list);                   // (built, then the op refused)
-    if (r == HOT_NOMEM)
-        raise_no_memory();
-    if (r < 0)
-        return nb::none();
-    return nb::steal(list);
+    return list_result(r, list);
 }
 
 // find_chain(hashes) -> the blocks of the longest cached run of hashes

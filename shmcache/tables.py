@@ -69,9 +69,20 @@ class TableOps(PoolOps):
         Raises:
             KeyError: no table for ``request_id``.
         """
+        p = self._p
+        fused = getattr(p.native, "delete_table", None)
+        # C (_hot.delete_table): the steps below in a hold the C op takes
+        # itself; by request id only (a table view names one table record,
+        # which the path below checks); None: nothing changed
+        if fused is not None and type(request_id) is str and not p.lock.unusable \
+                and not p.lock.held:
+            raw, h = rid_key(request_id)
+            t = fused(raw, h, p.slot, self._epoch)
+            if t is not None:
+                self._tcache.pop(t, None)
+                return
         with self._p.lock:
             self._sync()
-            p = self._p
             t = self._table_index(request_id)
             self._tcache.pop(t, None)
             drop = getattr(p.native, "table_drop", None)

@@ -1,8 +1,8 @@
 // shmcache/_native/bind_tables.h: the binding side of shmcache._hot's table
 // ops and prefix lookup (hot.cpp, the one unit that includes this, puts them
 // in the module): table_new, table_drop, table_take, table_append and
-// find_chain run inside a hold the Python caller took; new_table, append
-// and acquire (hot_fused.h) take the lock themselves. Each converts its arguments
+// find_chain run inside a hold the Python caller took; new_table,
+// delete_table, append and acquire (hot_fused.h) take the lock themselves. Each converts its arguments
 // (bind_args.h), calls the core and turns HOT_SLOW into None.
 #ifndef SHMCACHE_BIND_TABLES_H
 #define SHMCACHE_BIND_TABLES_H
@@ -69,6 +69,24 @@ nb::object hot_new_table_py(Hot &self, nb::handle raw_, nb::handle hash_, nb::ha
     for (int turn = 0; t == HOT_BUSY && turn < FUSED_TURNS && wait_turn(self); turn++)
         t = hot_new_table(h, raw, n, hash, slot, epoch);
     return count_result(t);
+}
+
+// delete_table(raw, hash, slot, epoch) -> the table deleted, or None
+// (nothing changed): its references released and its index entry removed
+// in a hold of its own (hot_delete_table).
+nb::object hot_delete_table_py(Hot &self, nb::handle raw_, nb::handle hash_, nb::handle slot_,
+                               nb::handle epoch_) {
+    Py_ssize_t n;
+    const char *raw = as_y(raw_, 1, &n);
+    uint64_t hash = as_K(hash_, 2);
+    int slot = as_i(slot_);
+    long long epoch = as_L(epoch_);
+    HotCore *h = ready(self);
+    int64_t t = -1;
+    int64_t r = hot_delete_table(h, raw, n, hash, slot, epoch, &t);
+    for (int turn = 0; r == HOT_BUSY && turn < FUSED_TURNS && wait_turn(self); turn++)
+        r = hot_delete_table(h, raw, n, hash, slot, epoch, &t);
+    return count_result(r < 0 ? r : t);
 }
 
 // table_drop(t) -> references released, or None (nothing changed).

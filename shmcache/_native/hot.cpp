@@ -19,8 +19,8 @@
 //                   ops, which run inside a lock hold the Python caller took;
 //   hot_append.h    table_take(), table_append(): a table's list grows;
 //   hot_index.h     find_chain(): the prefix lookup, in the same lock hold;
-//   hot_fused.h     new_table(), append(), acquire(): table ops that take
-//                   the lock themselves.
+//   hot_fused.h     new_table(), delete_table(), append(), acquire(): table
+//                   ops that take the lock themselves.
 // The Python paths stay the reference (fastpath.py, tables.py, prefix.py,
 // index.py): each C path does what its Python path does (a table op, what
 // it does after its lookups), and None means the Python path runs.
@@ -248,6 +248,9 @@ NB_MODULE(_hot, m) {
              "(takes the lock itself).")
         .def("new_table", &hot_new_table_py,
              "new_table(raw, hash, slot, epoch) -> table, or None (takes the lock itself).")
+        .def("delete_table", &hot_delete_table_py,
+             "delete_table(raw, hash, slot, epoch) -> the table deleted, or None (takes the "
+             "lock itself).")
         .def("acquire", &hot_acquire_py,
              "acquire(t, rhash, hashes, now, bs, slot, epoch) -> ids taken into table t, or None "
              "(takes the lock itself).")

@@ -1,10 +1,11 @@
-/* shmcache/_native/hot_fused.h: three table ops of a request's life as fused
+/* shmcache/_native/hot_fused.h: four table ops of a request's life as fused
  * ops that take the lock themselves, as alloc() and free() do (hot_loose.h),
  * instead of running inside a hold the Python caller takes: new_table()
- * (tables.create_block_table, over table_new), append() (prepare_append's
- * common case, over table_append) and acquire() (the table branch of
- * prefix.acquire_computed_blocks: find_chain, then table_take). Included by
- * hot.cpp.
+ * (tables.create_block_table, over table_new), delete_table()
+ * (delete_block_table: table_drop, then the request-id index's entry
+ * removed), append() (prepare_append's common case, over table_append) and
+ * acquire() (the table branch of prefix.acquire_computed_blocks: find_chain,
+ * then table_take). Included by hot.cpp.
  *
  * The table is named by its index and its request id's hash (views.py's
  * SharedBlockTable keeps both): an op runs only while the record still
@@ -64,6 +65,111 @@ hot_new_table(HotCore *h, const char *raw, int64_t n, uint64_t hash, int slot, l
     t = hot_table_new(h, raw, n, hash, slot);
     leave(h, 1);
     return t;
+}
+
+/* The request-id index: the slot holding the live table whose request id
+ * is raw (n bytes; hash, its 64-bit hash, gives the home slot), that table
+ * in *t; or HOT_SLOW (none, or a probe met an entry out of range or went
+ * all the way round: the Python path raises). core._table_index's lookup. */
+static inline int64_t
+tindex_slot(const HotCore *h, const char *raw, int64_t n, uint64_t hash, int64_t *t)
+{
+    const int64_t mask = h->p[P_TINDEX_CAP] - 1;
+    const int32_t *slots = (const int32_t *)(h->base + h->p[P_TINDEX_OFF]);
+    int64_t i, probes;
+    if (n <= 0 || n > h->p[P_RID_BYTES])
+        return HOT_SLOW;
+    for (i = (int64_t)(hash & (uint64_t)mask), probes = 0; probes <= mask;
+         probes++, i = (i + 1) & mask) {
+        int32_t e = slots[i];
+        const char *rid;
+        if (e < 0 || e >= h->p[P_MAX_TABLES])
+            return HOT_SLOW;
+        rid = h->base + h->p[P_TABLES_OFF] + (int64_t)e * h->p[P_TABLE_SIZE] + h->p[P_T_RID];
+        if (!memcmp(rid, raw, n) && (n == h->p[P_RID_BYTES] || rid[n] == 0)) {
+            *t = e;
+            return i;
+        }
+    }
+    return HOT_SLOW;
+}
+
+/* The home slot of table e's index entry (its request id's hash). */
+static inline int64_t
+tindex_home(const HotCore *h, int32_t e)
+{
+    uint64_t v;
+    memcpy(&v, h->base + h->p[P_TABLES_OFF] + (int64_t)e * h->p[P_TABLE_SIZE] + h->p[P_T_RHASH], 8);
+    return (int64_t)(v & (uint64_t)(h->p[P_TINDEX_CAP] - 1));
+}
+
+/* Whether slot i's entry can be removed: every entry of the run after it
+ * is a table, and the run ends (read only, so that the removal, which
+ * writes, meets nothing it must refuse). */
+static inline int
+tindex_can_remove(const HotCore *h, int64_t i)
+{
+    const int64_t mask = h->p[P_TINDEX_CAP] - 1;
+    const int32_t *slots = (const int32_t *)(h->base + h->p[P_TINDEX_OFF]);
+    for (int64_t k = 0, j = i; k <= mask; k++) {
+        j = (j + 1) & mask;
+        if (slots[j] < 0)
+            return 1;
+        if (slots[j] >= h->p[P_MAX_TABLES])
+            return 0;
+    }
+    return 0;
+}
+
+/* Remove slot i's entry, moving back each later entry of its run that may
+ * move (one whose home does not lie cyclically in (i, j]): index.OpenIndex
+ * .remove, after tindex_can_remove. */
+static inline void
+tindex_remove_at(HotCore *h, int64_t i)
+{
+    const int64_t mask = h->p[P_TINDEX_CAP] - 1;
+    int32_t *slots = (int32_t *)(h->base + h->p[P_TINDEX_OFF]);
+    for (int64_t j = i;;) {
+        j = (j + 1) & mask;
+        int32_t e = slots[j];
+        if (e < 0)
+            break;
+        int64_t k = tindex_home(h, e);
+        if (i <= j ? (i < k && k <= j) : (k > i || k <= j))
+            continue;
+        slots[i] = e;
+        i = j;
+    }
+    slots[i] = -1;
+}
+
+/* delete_table(raw, n, hash, slot, epoch): the live table whose request id
+ * is raw found in the index (its index in *t), dropped (table_drop: its
+ * references released, last block first) and its index entry removed, in a
+ * hold of its own: the references released, or HOT_SLOW / HOT_NOMEM /
+ * HOT_BUSY (nothing changed). */
+static inline int64_t
+hot_delete_table(HotCore *h, const char *raw, int64_t n, uint64_t hash, int slot,
+                 long long epoch, int64_t *t)
+{
+    int64_t i, r;
+    int e;
+    if (slot < 0 || slot >= h->p[P_MAX_SLOTS] || h->p[P_MAX_TABLES] <= 0 ||
+        h->p[P_TINDEX_CAP] <= 0)
+        return HOT_SLOW;
+    if ((e = enter(h, epoch, slot)) < 0)
+        return e == -2 ? HOT_BUSY : HOT_SLOW;
+    if ((i = tindex_slot(h, raw, n, hash, t)) < 0 || !tindex_can_remove(h, i) ||
+        TF(h, *t, P_T_STATE) != 1) {
+        leave(h, 0);
+        return HOT_SLOW;
+    }
+    begin_update(h);
+    r = hot_table_drop(h, *t);
+    if (r >= 0)
+        tindex_remove_at(h, i);
+    leave(h, 1);
+    return r;
 }
 
 /* append(t, rhash, n, bs, now, slot, epoch): table_append (hot_append.h)

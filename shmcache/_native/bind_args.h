@@ -264,6 +264,16 @@ bool wait_turn(Hot &self) {
     return e == 0 && self.has_view;
 }
 
+// Run a fused op (op() -> its result) and, while it finds the lock busy,
+// wait its turn and run it again, FUSED_TURNS times at most.
+template <class Op>
+int64_t in_turn(Hot &self, Op op) {
+    int64_t r = op();
+    for (int turn = 0; r == HOT_BUSY && turn < FUSED_TURNS && wait_turn(self); turn++)
+        r = op();
+    return r;
+}
+
 // table_append's accept: the list of the ids, built before the core's
 // first write, so that a MemoryError changes nothing.
 int build_list(void *ctx, const int32_t *ids, int64_t n) {

@@ -65,9 +65,7 @@ nb::object hot_new_table_py(Hot &self, nb::handle raw_, nb::handle hash_, nb::ha
     int slot = as_i(slot_);
     long long epoch = as_L(epoch_);
     HotCore *h = ready(self);
-    int64_t t = hot_new_table(h, raw, n, hash, slot, epoch);
-    for (int turn = 0; t == HOT_BUSY && turn < FUSED_TURNS && wait_turn(self); turn++)
-        t = hot_new_table(h, raw, n, hash, slot, epoch);
+    int64_t t = in_turn(self, [&] { return (int64_t)hot_new_table(h, raw, n, hash, slot, epoch); });
     return count_result(t);
 }
 
@@ -83,9 +81,9 @@ nb::object hot_delete_table_py(Hot &self, nb::handle raw_, nb::handle hash_, nb:
     long long epoch = as_L(epoch_);
     HotCore *h = ready(self);
     int64_t t = -1;
-    int64_t r = hot_delete_table(h, raw, n, hash, slot, epoch, &t);
-    for (int turn = 0; r == HOT_BUSY && turn < FUSED_TURNS && wait_turn(self); turn++)
-        r = hot_delete_table(h, raw, n, hash, slot, epoch, &t);
+    int64_t r = in_turn(self, [&] {
+        return (int64_t)hot_delete_table(h, raw, n, hash, slot, epoch, &t);
+    });
     return count_result(r < 0 ? r : t);
 }
 
@@ -158,9 +156,10 @@ nb::object hot_append_py(Hot &self, nb::handle t_, nb::handle rhash_, nb::handle
         return nb::none();
     Ids<64> out(span);
     PyObject *list = nullptr;
-    int64_t r = hot_append(h, t, rhash, n, bs, now, slot, epoch, out.p, span, build_list, &list);
-    for (int turn = 0; r == HOT_BUSY && turn < FUSED_TURNS && wait_turn(self); turn++)
-        r = hot_append(h, t, rhash, n, bs, now, slot, epoch, out.p, span, build_list, &list);
+    int64_t r = in_turn(self, [&] {
+        return (int64_t)hot_append(h, t, rhash, n, bs, now, slot, epoch, out.p, span, build_list,
+                                   &list);
+    });
     return list_result(r, list);
 }
 
@@ -185,9 +184,10 @@ nb::object hot_acquire_py(Hot &self, nb::handle t_, nb::handle rhash_, nb::handl
     Ids<64> out(nh ? nh : 1);
     PyObject *list = nullptr;
     const unsigned char *hs = (const unsigned char *)hashes;
-    int64_t r = hot_acquire(h, t, rhash, hs, nh, now, bs, slot, epoch, out.p, build_list, &list);
-    for (int turn = 0; r == HOT_BUSY && turn < FUSED_TURNS && wait_turn(self); turn++)
-        r = hot_acquire(h, t, rhash, hs, nh, now, bs, slot, epoch, out.p, build_list, &list);
+    int64_t r = in_turn(self, [&] {
+        return (int64_t)hot_acquire(h, t, rhash, hs, nh, now, bs, slot, epoch, out.p, build_list,
+                                    &list);
+    });
     return list_result(r, list);
 }
 

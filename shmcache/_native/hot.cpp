@@ -151,9 +151,7 @@ nb::object hot_alloc_py(Hot &self, nb::handle n_, nb::handle slot_, nb::handle e
     LMap lm;
     open_map(h, lv, &lm);
     Ids<64> ids(n);
-    int r = hot_alloc(h, n, slot, epoch, &lm, ids.p);
-    for (int turn = 0; r == HOT_BUSY && turn < FUSED_TURNS && wait_turn(self); turn++)
-        r = hot_alloc(h, n, slot, epoch, &lm, ids.p);
+    int64_t r = in_turn(self, [&] { return (int64_t)hot_alloc(h, n, slot, epoch, &lm, ids.p); });
     if (r == HOT_NOMEM)
         raise_no_memory();
     if (r <= 0)                             // (0, or HOT_BUSY still)
@@ -200,9 +198,7 @@ nb::object hot_free_py(Hot &self, nb::handle seq, nb::handle slot_, nb::handle e
     Ids<64> bs(n);
     if (!read_ids(h, fast.ptr(), bs.p, n))
         return nb::none();
-    int64_t r = hot_free(h, bs.p, n, slot, epoch, &lm);
-    for (int turn = 0; r == HOT_BUSY && turn < FUSED_TURNS && wait_turn(self); turn++)
-        r = hot_free(h, bs.p, n, slot, epoch, &lm);
+    int64_t r = in_turn(self, [&] { return (int64_t)hot_free(h, bs.p, n, slot, epoch, &lm); });
     if (r == HOT_NOMEM)
         raise_no_memory();
     if (r < 0)

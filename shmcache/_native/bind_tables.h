@@ -55,17 +55,29 @@ nb::object hot_table_new_py(Hot &self, nb::handle raw_, nb::handle hash_, nb::ha
     return count_result(t);
 }
 
+// A table named by its request id, as new_table and delete_table take it:
+// its key (raw bytes, 64-bit hash: refs.rid_key), the caller's slot and the
+// epoch of its view.
+struct RidArgs {
+    Py_ssize_t n = 0;
+    const char *raw;
+    uint64_t hash;
+    int slot;
+    long long epoch;
+
+    RidArgs(nb::handle raw_, nb::handle hash_, nb::handle slot_, nb::handle epoch_)
+        : raw(as_y(raw_, 1, &n)), hash(as_K(hash_, 2)), slot(as_i(slot_)), epoch(as_L(epoch_)) {}
+};
+
 // new_table(raw, hash, slot, epoch) -> the new table, or None (nothing
 // changed): table_new in a hold of its own (hot_new_table).
 nb::object hot_new_table_py(Hot &self, nb::handle raw_, nb::handle hash_, nb::handle slot_,
                             nb::handle epoch_) {
-    Py_ssize_t n;
-    const char *raw = as_y(raw_, 1, &n);
-    uint64_t hash = as_K(hash_, 2);
-    int slot = as_i(slot_);
-    long long epoch = as_L(epoch_);
+    RidArgs a(raw_, hash_, slot_, epoch_);
     HotCore *h = ready(self);
-    int64_t t = in_turn(self, [&] { return (int64_t)hot_new_table(h, raw, n, hash, slot, epoch); });
+    int64_t t = in_turn(self, [&] {
+        return hot_new_table(h, a.raw, a.n, a.hash, a.slot, a.epoch);
+    });
     return count_result(t);
 }
 
@@ -74,15 +86,11 @@ nb::object hot_new_table_py(Hot &self, nb::handle raw_, nb::handle hash_, nb::ha
 // in a hold of its own (hot_delete_table).
 nb::object hot_delete_table_py(Hot &self, nb::handle raw_, nb::handle hash_, nb::handle slot_,
                                nb::handle epoch_) {
-    Py_ssize_t n;
-    const char *raw = as_y(raw_, 1, &n);
-    uint64_t hash = as_K(hash_, 2);
-    int slot = as_i(slot_);
-    long long epoch = as_L(epoch_);
+    RidArgs a(raw_, hash_, slot_, epoch_);
     HotCore *h = ready(self);
     int64_t t = -1;
     int64_t r = in_turn(self, [&] {
-        return (int64_t)hot_delete_table(h, raw, n, hash, slot, epoch, &t);
+        return hot_delete_table(h, a.raw, a.n, a.hash, a.slot, a.epoch, &t);
     });
     return count_result(r < 0 ? r : t);
 }

@@ -45,6 +45,20 @@ nb::object list_result(int64_t r, PyObject *list) {
     return nb::steal(list);
 }
 
+// An append's result: op(out, span, &list) runs with room for the span
+// of blocks the n tokens land in, sized before the lock from table t as it
+// is (the op refuses when the span it finds under the lock does not fit).
+template <class Op>
+nb::object appended(HotCore *h, int64_t t, int64_t n, int64_t bs, Op op) {
+    int64_t span = hot_table_append_span(h, t, n, bs);
+    if (span < 0)
+        return nb::none();
+    Ids<64> out(span);
+    PyObject *list = nullptr;
+    int64_t r = op(out.p, span, &list);
+    return list_result(r, list);
+}
+
 // table_new(raw, hash, slot) -> the new table, or None (nothing changed).
 nb::object hot_table_new_py(Hot &self, nb::handle raw_, nb::handle hash_, nb::handle slot_) {
     Py_ssize_t n;
@@ -135,13 +149,9 @@ nb::object hot_table_append_py(Hot &self, nb::handle t_, nb::handle n_, nb::hand
     Py_ssize_t t = as_n(t_), n = as_n(n_), bs = as_n(bs_);
     double now = as_d(now_);
     HotCore *h = ready(self);
-    int64_t span = hot_table_append_span(h, t, n, bs);
-    if (span < 0)
-        return nb::none();
-    Ids<64> out(span);
-    PyObject *list = nullptr;
-    int64_t r = hot_table_append(h, t, n, bs, now, out.p, span, build_list, &list);
-    return list_result(r, list);
+    return appended(h, t, n, bs, [&](int32_t *out, int64_t span, PyObject **list) {
+        return hot_table_append(h, t, n, bs, now, out, span, build_list, list);
+    });
 }
 
 // append(t, rhash, n, bs, now, slot, epoch) -> the ids of the blocks the n
@@ -157,18 +167,11 @@ nb::object hot_append_py(Hot &self, nb::handle t_, nb::handle rhash_, nb::handle
     int slot = as_i(slot_);
     long long epoch = as_L(epoch_);
     HotCore *h = ready(self);
-    // (sized before the lock from the table as it is; the op refuses when
-    // the span it finds under the lock does not fit)
-    int64_t span = hot_table_append_span(h, t, n, bs);
-    if (span < 0)
-        return nb::none();
-    Ids<64> out(span);
-    PyObject *list = nullptr;
-    int64_t r = in_turn(self, [&] {
-        return (int64_t)hot_append(h, t, rhash, n, bs, now, slot, epoch, out.p, span, build_list,
-                                   &list);
+    return appended(h, t, n, bs, [&](int32_t *out, int64_t span, PyObject **list) {
+        return in_turn(self, [&] {
+            return hot_append(h, t, rhash, n, bs, now, slot, epoch, out, span, build_list, list);
+        });
     });
-    return list_result(r, list);
 }
 
 // acquire(t, rhash, hashes, now, bs, slot, epoch) -> the ids of the blocks

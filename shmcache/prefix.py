@@ -53,9 +53,17 @@ class PrefixOps(PoolOps):
         if num_cached_blocks and parent is None:
             parent = self._hashes(token_ids, num_cached_blocks, extra_keys)[-1]
         hashes = self._hashes(token_ids, num_full_blocks, extra_keys, parent, num_cached_blocks)
-        with self._p.lock:
+        p = self._p
+        fused = getattr(p.native, "publish", None)
+        # C (_hot.publish): the hold below in one call that takes the lock
+        # itself; None: nothing changed, and the hold below runs (and raises
+        # for a block that is not held)
+        if (fused is not None and not p.lock.unusable and not p.lock.held
+                and fused(ids[num_cached_blocks:], b"".join(hashes), self.block_size, p.slot,
+                          self._epoch) is not None):
+            return
+        with p.lock:
             self._sync()
-            p = self._p
             for b in ids[num_cached_blocks:]:
                 if p.b_ref[b] <= 0 or b == 0:
                     raise ValueError(f"block {b} is not allocated; only held blocks can be cached")

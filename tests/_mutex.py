@@ -29,7 +29,7 @@ def map_mutex(name):
 class PythonOnly:
     """The pool's own mutex with the fused C operations hidden, so that the
     manager takes its Python fast path (a unit-test seam, nothing else)."""
-    alloc = free = append = acquire = new_table = delete_table = None
+    alloc = free = append = acquire = new_table = delete_table = publish = None
     table_new = table_drop = table_take = table_append = find_chain = None
 
     def __init__(self, native) -> None:

@@ -118,6 +118,15 @@ SCENARIO = """
         else:                                   # no empty slot: a probe goes round
             p.hidx[:] = tb[0]
         op = lambda: m.acquire_computed_blocks(list(range(16)))
+    elif kind.startswith("evict "):             # allocations that evict tb, cached and free
+        for i in range(len(p.hidx)):            # every empty slot names no block
+            if p.hidx[i] < 0:
+                p.hidx[i] = 10**6
+        if kind == "evict alloc index entry":
+            op = lambda: m.get_new_blocks(26)   # the 24 uncached free blocks, then tb
+        else:
+            u = m.create_block_table("u")
+            op = lambda: m.prepare_append(u, 26 * 4)
     elif kind.startswith("new table "):         # table_new's probe of the request-id index
         if kind == "new table index entry":     # every empty slot names no table
             for i in range(len(p.tidx)):
@@ -151,7 +160,8 @@ KINDS = ["free-chunk head far", "free-chunk head just past", "free-chunk link",
          "table list link", "table list id", "table ref count", "table free-list tail",
          "acquire free-chunk head", "acquire free-list link", "acquire free-list prev",
          "append free-list head", "append free-chunk head", "append table list id",
-         "prefix index entry", "prefix index full", "new table index entry",
+         "prefix index entry", "prefix index full", "evict alloc index entry",
+         "evict append index entry", "new table index entry",
          "new table index full"]
 
 

@@ -2,7 +2,8 @@
 against their Python paths (tables.py, prefix.py, index.py): a random
 request mix leaves byte-identical shared state through either; the ops
 refuse (None, nothing changed) outside a lock hold, on bad arguments, and,
-for the fused append that takes the lock itself, on a stale table."""
+for the fused ops that take the lock themselves, on a stale table or view
+(the fused publish, and eviction: tests/test_hot_index.py)."""
 
 from __future__ import annotations
 
@@ -128,7 +129,8 @@ def test_the_c_table_ops_leave_the_same_state_as_the_python_ones(max_blocks):
     b = shmcache.PagedCacheManager(**kw)
     b._p.native = b._p.lock.native = PythonOnly(b._p.native)
     calls = {"table_new": 0, "table_drop": 0, "table_take": 0, "table_append": 0,
-             "append": 0, "acquire": 0, "new_table": 0, "delete_table": 0, "find_chain": 0}
+             "append": 0, "acquire": 0, "new_table": 0, "delete_table": 0, "find_chain": 0,
+             "publish": 0}
     a._p.native = a._p.lock.native = _Counted(a._p.native, calls)
     try:
         b._root = a._root                        # same chain hashes in both
@@ -141,6 +143,7 @@ def test_the_c_table_ops_leave_the_same_state_as_the_python_ones(max_blocks):
         assert calls["append"] > 50 and calls["table_new"] > 20, calls
         assert calls["new_table"] > 20 and calls["delete_table"] > 20, calls
         assert calls["table_take"] > 10 and calls["find_chain"] > 20, calls
+        assert calls["publish"] > 20, calls
     finally:
         a.close()
         b.close()

@@ -17,6 +17,9 @@ Mixes (block size 16):
   8 x ``prepare_append(t, 1)``; delete the table.
 
     python -m tools.bench_scale --processes 1,2,4,8,16 --seconds 4
+
+``--steps`` also times each step of a serving op (the table's second part:
+where the time goes as N grows).
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BS = 16
 SYSTEM_BLOCKS = 32
+# the serving mix's steps, as --steps times them
+STEPS = ("tokens", "create", "acquire", "prepare", "publish", "append x8", "delete")
 
 
 def _pct(xs, q) -> float:
@@ -43,7 +48,39 @@ def _pct(xs, q) -> float:
 
 
 # ------------------------------------------------------------------ worker
-def worker(name: str, mix: str, start_at: float, seconds: float, seed: int, out: str) -> int:
+def _serving_steps(mgr, rng, system, pid, end) -> tuple:
+    """The serving mix with each step timed (``--steps``): (ops, seconds
+    spent in each step, summed over the ops, in STEPS order)."""
+    pc = time.perf_counter
+    took = [0.0] * len(STEPS)
+    ops = 0
+    while time.time() < end:
+        rid = f"p{pid}.{ops}"
+        t0 = pc()
+        tokens = system + [rng.randrange(1 << 20, 1 << 30) for _ in range(4 * BS + rng.randrange(BS))]
+        t1 = pc()
+        t = mgr.create_block_table(rid)
+        t2 = pc()
+        _, cached = mgr.acquire_computed_blocks(tokens, table=t)
+        t3 = pc()
+        mgr.prepare_append(t, len(tokens) - cached)
+        t4 = pc()
+        mgr.cache_full_blocks(t.block_ids, tokens, cached // BS, len(tokens) // BS)
+        t5 = pc()
+        for _ in range(8):
+            mgr.prepare_append(t, 1)
+        t6 = pc()
+        mgr.delete_block_table(rid)
+        t7 = pc()
+        for i, (a, b) in enumerate(((t0, t1), (t1, t2), (t2, t3), (t3, t4), (t4, t5), (t5, t6),
+                                    (t6, t7))):
+            took[i] += b - a
+        ops += 1
+    return ops, took
+
+
+def worker(name: str, mix: str, start_at: float, seconds: float, seed: int, out: str,
+           steps: bool = False) -> int:
     import shmcache
     mgr = shmcache.attach(name)
     waits = mgr._p.lock.wait_log = []
@@ -63,7 +100,7 @@ def worker(name: str, mix: str, start_at: float, seconds: float, seed: int, out:
             for _ in range(64):
                 mgr.free_block_batch(mgr.get_new_blocks(16))
             ops += 64
-    else:
+    elif not steps:
         while time.time() < end:
             for _ in range(4):
                 rid = f"p{pid}.{ops}"
@@ -76,16 +113,18 @@ def worker(name: str, mix: str, start_at: float, seconds: float, seed: int, out:
                     mgr.prepare_append(t, 1)
                 mgr.delete_block_table(rid)
                 ops += 1
+    else:
+        ops, took = _serving_steps(mgr, rng, system, pid, end)
     if log_c:
         waits.extend(native.take_waits())
     with open(out, "w") as f:
-        json.dump({"ops": ops, "waits_ns": waits}, f)
+        json.dump({"ops": ops, "waits_ns": waits, "steps_s": took if steps else None}, f)
     mgr.close()
     return 0
 
 
 # ------------------------------------------------------------------ parent
-def run_point(mix: str, n: int, seconds: float, max_blocks: int) -> dict:
+def run_point(mix: str, n: int, seconds: float, max_blocks: int, steps: bool = False) -> dict:
     import shmcache
     name = f"bscale-{os.getpid()}-{mix}-{n}"
     mgr = shmcache.create_pool(name, block_size=BS, max_blocks=max_blocks,
@@ -106,7 +145,7 @@ def run_point(mix: str, n: int, seconds: float, max_blocks: int) -> dict:
             procs.append((subprocess.Popen(
                 [sys.executable, "-m", "tools.bench_scale", "--worker", name, "--mix", mix,
                  "--start-at", repr(start_at), "--seconds", str(seconds), "--seed", str(i),
-                 "--out", out], cwd=ROOT), out))
+                 "--out", out] + (["--steps"] if steps else []), cwd=ROOT), out))
         results = []
         for p, out in procs:
             if p.wait(timeout=seconds + 120) != 0:
@@ -116,7 +155,11 @@ def run_point(mix: str, n: int, seconds: float, max_blocks: int) -> dict:
         ops = sum(r["ops"] for r in results)
         waits = [w for r in results for w in r["waits_ns"]]
         problems = mgr.check()
-        return {"mix": mix, "processes": n, "ops_per_s": ops / seconds,
+        step_us = None
+        if steps and mix == "serving":
+            step_us = [sum(r["steps_s"][i] for r in results) / max(1, ops) * 1e6
+                       for i in range(len(STEPS))]
+        return {"mix": mix, "processes": n, "ops_per_s": ops / seconds, "step_us": step_us,
                 "waits_per_op": len(waits) / max(1, ops),
                 "wait_p50_us": _pct(waits, 0.50) / 1e3, "wait_p99_us": _pct(waits, 0.99) / 1e3,
                 "violations": len(problems)}
@@ -139,6 +182,17 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
+def steps_table(rows) -> str:
+    """Mean microseconds one serving op spent in each step, per N (--steps)."""
+    rows = [r for r in rows if r.get("step_us")]
+    if not rows:
+        return ""
+    lines = ["| N | " + " | ".join(STEPS) + " |", "|---|" + "---|" * len(STEPS)]
+    for r in rows:
+        lines.append(f"| {r['processes']} | " + " | ".join(f"{u:.1f}" for u in r["step_us"]) + " |")
+    return "mean µs per serving op in each step:\n" + "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.bench_scale", description=__doc__.split("\n\n")[0])
     ap.add_argument("--processes", default=f"1,2,{os.cpu_count() or 2}",
@@ -147,12 +201,14 @@ def main(argv=None) -> int:
     ap.add_argument("--mix", default="batched,serving", help="batched, serving or both")
     ap.add_argument("--max-blocks", type=int, default=65536)
     ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--steps", action="store_true",
+                    help="serving mix: also time each step of a request (mean µs per op, per N)")
     for a in ("--worker", "--start-at", "--seed", "--out"):
         ap.add_argument(a, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args.worker, args.mix, float(args.start_at), args.seconds, int(args.seed),
-                      args.out)
+                      args.out, args.steps)
     try:
         counts = sorted({int(x) for x in args.processes.split(",")})
     except ValueError:
@@ -165,10 +221,12 @@ def main(argv=None) -> int:
             ap.error(f"--mix: unknown mix {mix!r}")
         for n in counts:
             print(f"[bench_scale] {mix} N={n} ...", file=sys.stderr, flush=True)
-            rows.append(run_point(mix, n, args.seconds, args.max_blocks))
+            rows.append(run_point(mix, n, args.seconds, args.max_blocks, args.steps))
     print(f"python -m tools.bench_scale --processes {args.processes} --seconds {args.seconds:g} "
           f"(CPUs: {os.cpu_count()})")
     print(table(rows))
+    if args.steps:
+        print(steps_table(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

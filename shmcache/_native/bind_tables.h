@@ -2,7 +2,8 @@
 // ops and prefix lookup (hot.cpp, the one unit that includes this, puts them
 // in the module): table_new, table_drop, table_take, table_append and
 // find_chain run inside a hold the Python caller took; new_table,
-// delete_table, append and acquire (hot_fused.h) take the lock themselves. Each converts its arguments
+// delete_table, append, acquire and publish (hot_fused.h) take the lock
+// themselves. Each converts its arguments
 // (bind_args.h), calls the core and turns HOT_SLOW into None.
 #ifndef SHMCACHE_BIND_TABLES_H
 #define SHMCACHE_BIND_TABLES_H
@@ -200,6 +201,37 @@ nb::object hot_acquire_py(Hot &self, nb::handle t_, nb::handle rhash_, nb::handl
                                     &list);
     });
     return list_result(r, list);
+}
+
+// publish(ids, hashes, bs, slot, epoch) -> how many blocks of ids became
+// cached, or None (nothing changed, or the index is corrupted and the pool
+// left dirty): each uncached block of ids cached under its hash (16 bytes
+// each, concatenated, one per id) and counted full (bs tokens), in a hold
+// of its own (hot_publish).
+nb::object hot_publish_py(Hot &self, nb::handle seq, nb::handle hashes_, nb::handle bs_,
+                          nb::handle slot_, nb::handle epoch_) {
+    Py_ssize_t len;
+    const char *hashes = as_y(hashes_, 2, &len);
+    Py_ssize_t bs = as_n(bs_);
+    int slot = as_i(slot_);
+    long long epoch = as_L(epoch_);
+    HotCore *h = ready(self);
+    if (!hot_index_on(h))
+        return nb::none();
+    nb::object fast = fast_seq(seq, "ids must be a sequence");
+    if (!fast.is_valid())
+        throw_error();
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast.ptr());
+    if (n >= h->p[P_MAX_BLOCKS] || len != 16 * n)      // (before sizing anything by n)
+        return nb::none();
+    Ids<64> ids(n ? n : 1);
+    if (!read_ids(h, fast.ptr(), ids.p, n))
+        return nb::none();
+    const unsigned char *hs = (const unsigned char *)hashes;
+    int64_t r = in_turn(self, [&] {
+        return hot_publish(h, ids.p, n, hs, bs, slot, epoch);
+    });
+    return count_result(r);
 }
 
 // find_chain(hashes) -> the blocks of the longest cached run of hashes

@@ -18,9 +18,10 @@
 //   hot_tables.h    table_new(), table_drop(), and the checks of the table
 //                   ops, which run inside a lock hold the Python caller took;
 //   hot_append.h    table_take(), table_append(): a table's list grows;
-//   hot_index.h     find_chain(): the prefix lookup, in the same lock hold;
-//   hot_fused.h     new_table(), delete_table(), append(), acquire(): table
-//                   ops that take the lock themselves.
+//   hot_index.h     find_chain(): the prefix lookup, in the same lock hold,
+//                   and the publication of blocks in the prefix index;
+//   hot_fused.h     new_table(), delete_table(), append(), acquire(),
+//                   publish(): ops that take the lock themselves.
 // The Python paths stay the reference (fastpath.py, tables.py, prefix.py,
 // index.py): each C path does what its Python path does (a table op, what
 // it does after its lookups), and None means the Python path runs.
@@ -250,6 +251,9 @@ NB_MODULE(_hot, m) {
         .def("acquire", &hot_acquire_py,
              "acquire(t, rhash, hashes, now, bs, slot, epoch) -> ids taken into table t, or None "
              "(takes the lock itself).")
+        .def("publish", &hot_publish_py,
+             "publish(ids, hashes, bs, slot, epoch) -> blocks newly cached, or None (takes the "
+             "lock itself).")
         .def("table_append", &hot_table_append_py,
              "table_append(t, n, bs, now) -> ids the tokens land in, or None (lock held by the caller).");
 

@@ -11,6 +11,7 @@
 #ifndef SHMCACHE_HOT_APPEND_H
 #define SHMCACHE_HOT_APPEND_H
 
+#include "hot_index.h"
 #include "hot_tables.h"
 
 #include <stdint.h>
@@ -158,12 +159,12 @@ typedef int (*hot_accept_fn)(void *ctx, const int32_t *ids, int64_t n);
  * in; HOT_SLOW, HOT_NOMEM, or HOT_REFUSED (accept refused the ids): nothing
  * changed.
  * tables.prepare_append's common case, with no copy-on-write: the blocks
- * still needed popped from the free list's front (uncached ones only: the
- * Python path evicts), appended to live table t's list, and the tokens
- * counted in the blocks they land in, the table and the pool. HOT_SLOW when
- * a block the tokens land in is shared or published, free blocks or chunks
- * are short (the Python path reclaims or raises), or any index read is out
- * of range. Checked first: the tail, or when the tokens land in a chunk
+ * still needed popped from the free list's front (a cached one evicted:
+ * hot_evict), appended to live table t's list, and the tokens counted in
+ * the blocks they land in, the table and the pool. HOT_SLOW when a block
+ * the tokens land in is shared or published, free blocks or chunks are
+ * short (the Python path reclaims or raises), or any index read is out of
+ * range (the prefix index's around a block to evict too). Checked first: the tail, or when the tokens land in a chunk
  * before it the whole chain (each chunk in range, the last one the tail,
  * linking to -1); the ids the tokens land in; the free blocks and chunks
  * taken. */
@@ -226,7 +227,7 @@ hot_table_append(HotCore *h, int64_t t, int64_t n, int64_t bs, double now,
             goto done;
         b = NEXT(h, HEAD);
         for (i = 0; i < nnew; i++) {
-            if (!IS_BLOCK(h, b) || (FLAGS(h, b) & CACHED))
+            if (!IS_BLOCK(h, b) || ((FLAGS(h, b) & CACHED) && !hot_can_evict(h, b)))
                 goto done;
             nbs[i] = b;
             b = NEXT(h, b);
@@ -256,6 +257,8 @@ hot_table_append(HotCore *h, int64_t t, int64_t n, int64_t bs, double now,
          * commit point), then the token counts */
         for (i = 0; i < nnew; i++) {
             int32_t bb = nbs[i];
+            if (FLAGS(h, bb) & CACHED)
+                hot_evict(h, bb);
             PREV(h, bb) = -1;
             NEXT(h, bb) = -1;
             REF(h, bb) = 1;

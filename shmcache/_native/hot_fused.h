@@ -1,11 +1,12 @@
-/* shmcache/_native/hot_fused.h: four table ops of a request's life as fused
+/* shmcache/_native/hot_fused.h: five ops of a request's life as fused
  * ops that take the lock themselves, as alloc() and free() do (hot_loose.h),
  * instead of running inside a hold the Python caller takes: new_table()
  * (tables.create_block_table, over table_new), delete_table()
  * (delete_block_table: table_drop, then the request-id index's entry
  * removed), append() (prepare_append's common case, over table_append) and
  * acquire() (the table branch of prefix.acquire_computed_blocks: find_chain,
- * then table_take). Included by hot.cpp.
+ * then table_take) and publish() (prefix.cache_full_blocks: hot_index_add).
+ * Included by hot.cpp.
  *
  * The table is named by its index and its request id's hash (views.py's
  * SharedBlockTable keeps both): an op runs only while the record still
@@ -94,13 +95,13 @@ tindex_slot(const HotCore *h, const char *raw, int64_t n, uint64_t hash, int64_t
     return HOT_SLOW;
 }
 
-/* The home slot of table e's index entry (its request id's hash). */
-static inline int64_t
+/* The home of table e's index entry: its request id's hash. */
+static inline uint64_t
 tindex_home(const HotCore *h, int32_t e)
 {
     uint64_t v;
     memcpy(&v, h->base + h->p[P_TABLES_OFF] + (int64_t)e * h->p[P_TABLE_SIZE] + h->p[P_T_RHASH], 8);
-    return (int64_t)(v & (uint64_t)(h->p[P_TINDEX_CAP] - 1));
+    return v;
 }
 
 /* Whether slot i's entry can be removed: every entry of the run after it
@@ -119,28 +120,6 @@ tindex_can_remove(const HotCore *h, int64_t i)
             return 0;
     }
     return 0;
-}
-
-/* Remove slot i's entry, moving back each later entry of its run that may
- * move (one whose home does not lie cyclically in (i, j]): index.OpenIndex
- * .remove, after tindex_can_remove. */
-static inline void
-tindex_remove_at(HotCore *h, int64_t i)
-{
-    const int64_t mask = h->p[P_TINDEX_CAP] - 1;
-    int32_t *slots = (int32_t *)(h->base + h->p[P_TINDEX_OFF]);
-    for (int64_t j = i;;) {
-        j = (j + 1) & mask;
-        int32_t e = slots[j];
-        if (e < 0)
-            break;
-        int64_t k = tindex_home(h, e);
-        if (i <= j ? (i < k && k <= j) : (k > i || k <= j))
-            continue;
-        slots[i] = e;
-        i = j;
-    }
-    slots[i] = -1;
 }
 
 /* delete_table(raw, n, hash, slot, epoch): the live table whose request id
@@ -167,7 +146,8 @@ hot_delete_table(HotCore *h, const char *raw, int64_t n, uint64_t hash, int slot
     begin_update(h);
     r = hot_table_drop(h, *t);
     if (r >= 0)
-        tindex_remove_at(h, i);
+        oindex_remove_at(h, (int32_t *)(h->base + h->p[P_TINDEX_OFF]), h->p[P_TINDEX_CAP] - 1, i,
+                         tindex_home);
     leave(h, 1);
     return r;
 }
@@ -230,6 +210,39 @@ hot_acquire(HotCore *h, int64_t t, uint64_t rhash, const unsigned char *hashes, 
         C(h, P_C_MISSES) += 1;
     leave(h, 1);
     return n;
+}
+
+/* publish(ids, n, hashes, bs, slot, epoch): hot_index_add in a hold of its
+ * own, after checking that every block of ids is held (a reference > 0):
+ * the number of blocks newly cached, or HOT_SLOW / HOT_BUSY (nothing
+ * changed; HOT_SLOW also after a corrupted index stopped hot_index_add
+ * part way: then the pool stays dirty, and the slow path repairs before
+ * it runs). */
+static inline int64_t
+hot_publish(HotCore *h, const int32_t *ids, int64_t n, const unsigned char *hashes, int64_t bs,
+            int slot, long long epoch)
+{
+    int64_t r;
+    int e;
+    if (!hot_index_on(h) || n < 0 || n >= h->p[P_MAX_BLOCKS] || bs <= 0 || bs > 65535 ||
+        slot < 0 || slot >= h->p[P_MAX_SLOTS])
+        return HOT_SLOW;
+    if ((e = enter(h, epoch, slot)) < 0)
+        return e == -2 ? HOT_BUSY : HOT_SLOW;
+    for (int64_t i = 0; i < n; i++)
+        if (!IS_BLOCK(h, ids[i]) || REF(h, ids[i]) <= 0) {
+            leave(h, 0);            /* the Python path names the block and raises */
+            return HOT_SLOW;
+        }
+    begin_update(h);
+    r = hot_index_add(h, ids, n, hashes, bs);
+    if (r < 0) {
+        C(h, P_C_OPS) += 1;         /* dirty: the next holder repairs */
+        pthread_mutex_unlock(h->mutex);
+        return HOT_SLOW;
+    }
+    leave(h, 1);
+    return r;
 }
 
 #endif

@@ -28,6 +28,7 @@
 #define SHMCACHE_HOT_LOOSE_H
 
 #include "hot_mutex.h"
+#include "hot_index.h"
 #include "hot_localmap.h"
 
 #include <stdint.h>
@@ -52,9 +53,10 @@ hot_alloc_ok(const HotCore *h, int64_t n, int slot)
  * the slow path runs (the binding returns None); HOT_BUSY: nothing changed,
  * the lock stayed busy (the binding waits its turn and tries again);
  * HOT_NOMEM: nothing changed.
- * The first n free blocks must be uncached (otherwise 0: the slow path
- * evicts their cache entries), and the chunks the slot's loose list grows
- * by free (otherwise 0: the slow path reports it).
+ * A cached block among the first n free ones is evicted (hot_evict; when
+ * the index around its entry is not sound, 0: the slow path meets it), and
+ * the chunks the slot's loose list grows by must be free (otherwise 0: the
+ * slow path reports it).
  * NOTE: the shared update cannot fail, and neither can the process-local
  * map's, done after the lock is released (only this thread can see the map:
  * the caller holds the GIL). Only the binding's list of the ids can
@@ -104,7 +106,7 @@ hot_alloc(HotCore *h, int64_t n, int slot, long long epoch, LMap *lm, int32_t *i
         /* read-only walk first: nothing changes unless all of it works (and
          * every id read is in range: else the slow path meets the same one) */
         for (i = 0; i < n; i++) {
-            if (!IS_BLOCK(h, b) || (FLAGS(h, b) & CACHED)) {
+            if (!IS_BLOCK(h, b) || ((FLAGS(h, b) & CACHED) && !hot_can_evict(h, b))) {
                 leave(h, 0);
                 goto busy;
             }
@@ -130,6 +132,8 @@ hot_alloc(HotCore *h, int64_t n, int slot, long long epoch, LMap *lm, int32_t *i
         for (i = 0; i < n; i++) {
             int32_t bb = bs[i], off = cnt % CI;
             int64_t g;
+            if (FLAGS(h, bb) & CACHED)
+                hot_evict(h, bb);
             PREV(h, bb) = -1;
             NEXT(h, bb) = -1;
             REF(h, bb) = 1;

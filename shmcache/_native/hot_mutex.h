@@ -30,6 +30,9 @@
 #include <unistd.h>
 
 #define FENCE() __atomic_thread_fence(__ATOMIC_SEQ_CST)
+/* Orders the stores before it before the stores after it: what the dirty
+ * mark needs (see begin_update). */
+#define STORE_ORDER() __atomic_thread_fence(__ATOMIC_RELEASE)
 
 /* ------------------------------------------------------------- the mutex */
 
@@ -244,17 +247,28 @@ leave(HotCore *h, int changed)
 {
     C(h, P_C_OPS) += 1;
     if (changed) {
-        FENCE();
+        STORE_ORDER();
         C(h, P_C_DIRTY) = 0;
     }
     pthread_mutex_unlock(h->mutex);
 }
 
+/* Mark the pool dirty before an op's first shared write; leave() clears
+ * the mark after its last.
+ *
+ * NOTE: only the order of the stores matters: another process reads the
+ * mark only after it has taken the lock, so never while this hold runs,
+ * and a holder killed mid-update leaves every store it made before the
+ * kill, in program order. A release fence gives that order (on x86 it
+ * only stops the compiler moving stores across it; x86 keeps stores in
+ * order); a full fence (mfence) also waits for the store buffer to drain,
+ * which under contention costs a cache miss per pending store, twice a
+ * hold. */
 static inline void
 begin_update(HotCore *h)
 {
     C(h, P_C_DIRTY) = 1;
-    FENCE();
+    STORE_ORDER();
 }
 
 /* Whether this thread holds the pool mutex (the lock word names it: glibc

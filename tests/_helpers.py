@@ -35,7 +35,7 @@ def snapshot(m):
     p = m._p
     lay = p.layout
     c = p.counters.copy()
-    c[[L.C_OPS, L.C_LOCK_WAIT_NS, L.C_DIRTY, L.C_HOLDER]] = 0
+    c[[L.C_OPS, L.C_LOCK_WAIT_NS, L.C_DIRTY, L.C_HOLDER, L.C_TURN_NEXT, L.C_TURN_NOW]] = 0
     hdr = bytes(p.mm[:L.MUTEX_OFF]) + bytes(p.mm[L.MUTEX_OFF + L.MUTEX_BYTES:lay.counters_off])
     return (hdr, c.tobytes(),
             bytes(p.mm[lay.slots_off:lay.arena_off]),

@@ -168,7 +168,7 @@ KINDS = ["free-chunk head far", "free-chunk head just past", "free-chunk link",
 @pytest.mark.parametrize("pure", [False, True], ids=["C", "pure"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_corrupt_index_never_followed(kind, pure):
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     env.pop("SHMCACHE_PURE", None)
     if pure:
         env["SHMCACHE_PURE"] = "1"

@@ -23,13 +23,13 @@ from _mutex import PythonOnly
 
 def assert_unchanged_but_the_lock(p, before: bytes) -> None:
     """The pool's bytes are ``before``'s, but for the lock word and the
-    holds' bookkeeping (the ops count, the last holder): a refused op took
-    and left the lock, and changed nothing else."""
+    holds' bookkeeping (the ops count, the last holder, the turns): a
+    refused op took and left the lock, and changed nothing else."""
     after = bytearray(p.raw)
     co = p.layout.counters_off
-    for a, b in ((L.MUTEX_OFF, L.HEADER_SIZE), (co + 8 * L.C_OPS, co + 8 * L.C_OPS + 8),
-                 (co + 8 * L.C_HOLDER, co + 8 * L.C_HOLDER + 8)):
-        after[a:b] = before[a:b]
+    for a in (L.C_OPS, L.C_HOLDER, L.C_TURN_NEXT, L.C_TURN_NOW):
+        after[co + 8 * a:co + 8 * a + 8] = before[co + 8 * a:co + 8 * a + 8]
+    after[L.MUTEX_OFF:L.HEADER_SIZE] = before[L.MUTEX_OFF:L.HEADER_SIZE]
     assert bytes(after) == before
 
 
@@ -39,7 +39,7 @@ def _shared_state(m):
     p = m._p
     b = p.blocks
     c = p.counters.copy()
-    c[[L.C_OPS, L.C_LOCK_WAIT_NS, L.C_DIRTY, L.C_HOLDER]] = 0
+    c[[L.C_OPS, L.C_LOCK_WAIT_NS, L.C_DIRTY, L.C_HOLDER, L.C_TURN_NEXT, L.C_TURN_NOW]] = 0
     return (b["ref_count"].tobytes(), b["prev"].tobytes(), b["next"].tobytes(),
             b["flags"].tobytes(), b["token_count"].tobytes(), b["gen"].tobytes(),
             b["hash"].tobytes(), p.chunks.tobytes(), p.slots["loose_head"].tobytes(),

@@ -264,13 +264,25 @@ bool wait_turn(Hot &self) {
     return e == 0 && self.has_view;
 }
 
-// Run a fused op (op() -> its result) and, while it finds the lock busy,
-// wait its turn and run it again, FUSED_TURNS times at most.
+// Run a fused op (op() -> its result), logging how long it waited for its
+// turn at the lock (hot_mutex.h's take_turn) when the waits are logged.
+template <class Op>
+int64_t logged(Hot &self, Op &op) {
+    HotCore *h = ready(self);
+    h->turn_wait_ns = 0;
+    int64_t r = op();
+    if (self.log_waits && h->turn_wait_ns)
+        self.waits.push_back(h->turn_wait_ns);
+    return r;
+}
+
+// Run a fused op and, while it finds the lock busy, wait in the kernel
+// for the lock and run it again, FUSED_TURNS times at most.
 template <class Op>
 int64_t in_turn(Hot &self, Op op) {
-    int64_t r = op();
+    int64_t r = logged(self, op);
     for (int turn = 0; r == HOT_BUSY && turn < FUSED_TURNS && wait_turn(self); turn++)
-        r = op();
+        r = logged(self, op);
     return r;
 }
 

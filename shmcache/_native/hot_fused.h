@@ -237,8 +237,7 @@ hot_publish(HotCore *h, const int32_t *ids, int64_t n, const unsigned char *hash
     begin_update(h);
     r = hot_index_add(h, ids, n, hashes, bs);
     if (r < 0) {
-        C(h, P_C_OPS) += 1;         /* dirty: the next holder repairs */
-        pthread_mutex_unlock(h->mutex);
+        leave_dirty(h);             /* the next holder repairs */
         return HOT_SLOW;
     }
     leave(h, 1);

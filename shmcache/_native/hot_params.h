@@ -41,7 +41,7 @@ enum {
     P_TABLES_OFF, P_TABLE_SIZE, P_T_STATE, P_T_HEAD, P_T_TAIL, P_T_LEN, P_T_TOK,
     P_MAX_TABLES, P_C_NUM_TABLES, P_HASH_OFF, P_HASH_CAP, P_B_HASH,
     P_TINDEX_OFF, P_TINDEX_CAP, P_T_RID, P_RID_BYTES, P_T_RHASH, P_T_OWNER,
-    P_C_HITS, P_C_MISSES, P_C_EVICTIONS,
+    P_C_HITS, P_C_MISSES, P_C_EVICTIONS, P_C_TURN_NEXT, P_C_TURN_NOW,
     P_COUNT
 };
 
@@ -69,6 +69,8 @@ typedef struct {
     int64_t nchunks;        /* chunk ids the fused ops accept: [0, nchunks) */
     int64_t gen_off;        /* byte offset of a block record's generation (-1: off) */
     int64_t c_tokens;       /* counter index of the seed's total_tokens_cached (-1: off) */
+    int64_t turn;           /* the lock holder's turn (hot_mutex.h's take_turn), -1: none */
+    int64_t turn_wait_ns;   /* how long the last take_turn waited for its turn */
 } HotCore;
 
 #define BF(h, b, f, T) (*(T *)((h)->base + (h)->p[P_BLOCKS_OFF] + (int64_t)(b) * (h)->p[P_BLOCK_SIZE] + (h)->p[f]))
@@ -187,6 +189,8 @@ hot_open(HotCore *h, void *buf, int64_t len, const int64_t *params, double creat
     h->nchunks = 0;
     h->gen_off = -1;
     h->c_tokens = -1;
+    h->turn = -1;
+    h->turn_wait_ns = 0;
     return NULL;
 }
 

@@ -14,7 +14,6 @@ import textwrap
 
 import pytest
 
-import shmcache
 from shmcache import layout as L
 
 from _mutex import needs_c

@@ -49,7 +49,7 @@ run: setup
 bench: setup
 	$(BIN)/pip install -q --no-deps vllm-mlx==0.6.0
 	$(BIN)/python -m tools.bench
-	$(BIN)/python -m tools.bench_scale --seconds 4
+	$(BIN)/python -m tools.bench_scale --seconds 3 --repeat 3
 	$(BIN)/python -m tools.bench_serve --workers 2 --requests 24 --rounds 2
 	$(BIN)/python -m tools.bench_l2
 

@@ -3,10 +3,11 @@
 N independent processes attach to one pool by name and run one mix for a
 fixed time, all starting together; the table gives ops/s summed over the
 processes, the ratio to N=1, and the p50/p99 of the waits for the pool lock
-(a wait: the time one lock acquisition spent asleep for the lock after its
-short spin failed, in the lock's slow path or in a fused C operation
-waiting its turn; ``waits/op`` is how many such waits one operation had on
-average: a serving op takes the lock about 13 times).
+(a wait: the time one lock acquisition waited for the lock: a fused C
+operation's wait for its turn (hot_mutex.h's take_turn), and any wait asleep
+in the kernel after a spin failed, in the lock's slow path or in a fused
+operation; ``waits/op`` is how many such waits one operation had on average:
+a serving op takes the lock 13 times, a batched op twice).
 
 Mixes (block size 16):
 
@@ -18,8 +19,9 @@ Mixes (block size 16):
 
     python -m tools.bench_scale --processes 1,2,4,8,16 --seconds 4
 
-``--steps`` also times each step of a serving op (the table's second part:
-where the time goes as N grows).
+``--repeat K`` runs every point K times, in interleaved rounds, and prints
+medians with their ranges; ``--steps`` also times each step of a serving op
+(the table's second part: where the time goes as N grows).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -171,14 +174,33 @@ def run_point(mix: str, n: int, seconds: float, max_blocks: int, steps: bool = F
 
 
 def table(rows) -> str:
+    """One line per (mix, N). With several rounds (--repeat) each figure is
+    the median over the rounds, with the range beside it; a ratio is taken
+    within each round (that round's N=1), and the wait p99 is the worst
+    round's."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["mix"], r["processes"]), []).append(r)
     base = {}
+    for (mix, n), rs in groups.items():
+        if mix not in base:
+            base[mix] = [r["ops_per_s"] for r in rs]
     lines = ["| mix | N | ops/s | x N=1 | waits/op | wait p50 | wait p99 |",
              "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        base.setdefault(r["mix"], r["ops_per_s"])
-        lines.append(f"| {r['mix']} | {r['processes']} | {r['ops_per_s']:,.0f} | "
-                     f"{r['ops_per_s'] / base[r['mix']]:.2f} | {r['waits_per_op']:.3f} | "
-                     f"{r['wait_p50_us']:.0f} µs | {r['wait_p99_us']:.0f} µs |")
+
+    def fig(xs, fmt):
+        med = statistics.median(xs)
+        if len(xs) == 1:
+            return fmt.format(med)
+        return f"{fmt.format(med)} ({fmt.format(min(xs))}–{fmt.format(max(xs))})"
+
+    for (mix, n), rs in groups.items():
+        ops = [r["ops_per_s"] for r in rs]
+        ratios = [o / b for o, b in zip(ops, base[mix])]
+        lines.append(f"| {mix} | {n} | {fig(ops, '{:,.0f}')} | {fig(ratios, '{:.2f}')} | "
+                     f"{statistics.median(r['waits_per_op'] for r in rs):.3f} | "
+                     f"{statistics.median(r['wait_p50_us'] for r in rs):.0f} µs | "
+                     f"{max(r['wait_p99_us'] for r in rs):.0f} µs |")
     return "\n".join(lines)
 
 
@@ -201,6 +223,9 @@ def main(argv=None) -> int:
     ap.add_argument("--mix", default="batched,serving", help="batched, serving or both")
     ap.add_argument("--max-blocks", type=int, default=65536)
     ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="rounds over every point, interleaved; figures are medians with ranges "
+                         "(default 1)")
     ap.add_argument("--steps", action="store_true",
                     help="serving mix: also time each step of a request (mean µs per op, per N)")
     for a in ("--worker", "--start-at", "--seed", "--out"):
@@ -215,15 +240,24 @@ def main(argv=None) -> int:
         ap.error(f"--processes: not a list of integers: {args.processes!r}")
     if not counts or counts[0] < 1:
         ap.error("--processes: counts must be at least 1")
-    rows = []
-    for mix in args.mix.split(","):
+    mixes = args.mix.split(",")
+    for mix in mixes:
         if mix not in ("batched", "serving"):
             ap.error(f"--mix: unknown mix {mix!r}")
-        for n in counts:
-            print(f"[bench_scale] {mix} N={n} ...", file=sys.stderr, flush=True)
-            rows.append(run_point(mix, n, args.seconds, args.max_blocks, args.steps))
+    if args.repeat < 1:
+        ap.error("--repeat: must be at least 1")
+    rows = []
+    # rounds interleaved: every (mix, N) once per round, so that the
+    # machine's drift lands on every point alike
+    for k in range(args.repeat):
+        for mix in mixes:
+            for n in counts:
+                print(f"[bench_scale] round {k + 1}/{args.repeat}: {mix} N={n} ...",
+                      file=sys.stderr, flush=True)
+                rows.append(run_point(mix, n, args.seconds, args.max_blocks, args.steps))
+    rows.sort(key=lambda r: mixes.index(r["mix"]))      # (stable: rounds stay in order)
     print(f"python -m tools.bench_scale --processes {args.processes} --seconds {args.seconds:g} "
-          f"(CPUs: {os.cpu_count()})")
+          f"--repeat {args.repeat} (CPUs: {os.cpu_count()})")
     print(table(rows))
     if args.steps:
         print(steps_table(rows))

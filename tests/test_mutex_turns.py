@@ -11,6 +11,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import pytest
 
@@ -126,3 +128,37 @@ def test_turns_from_processes_at_once_are_all_handed_on(make_pool):
     # kernel and tries again), and none left behind
     assert nxt == now >= 5 * sum(done)
     assert m.check() == [] and m.free_blocks == 255
+
+
+def test_a_fused_op_beside_a_python_hold_of_its_own_process_needing_the_gil(make_pool):
+    """A thread of this process holds the pool lock through the Python path
+    and needs the GIL to go on; another thread's fused ops wait for their
+    turn and spin with the GIL held, but only for a bounded time, then wait
+    for the lock with the GIL released: both finish."""
+    m = make_pool(max_blocks=64)
+    out = {}
+
+    def hold():
+        with m._p.lock:                              # the Python path: no turn
+            end, n = time.monotonic() + 0.3, 0
+            while time.monotonic() < end:            # pure Python: it needs the GIL
+                n += 1
+            out["held"] = n
+
+    def fused():
+        k = 0
+        end = time.monotonic() + 0.6
+        while time.monotonic() < end:
+            m.free_block_batch(m.get_new_blocks(2))
+            k += 1
+        out["fused"] = k
+
+    ts = [threading.Thread(target=hold, daemon=True), threading.Thread(target=fused, daemon=True)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in ts), "a thread is stuck"
+    assert out["held"] > 0 and out["fused"] > 0
+    nxt, now = _turns(m)
+    assert nxt == now and m.check() == [] and m.free_blocks == 63

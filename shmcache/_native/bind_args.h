@@ -36,8 +36,9 @@ struct Hot {
     Py_buffer view;
     bool has_view = false;
     HotCore core;
-    // how long each wait of a fused op for its turn took, in ns, while
-    // log_waits() is on (tools/bench_scale counts them with the slow path's)
+    // how long each wait of a fused op for the lock took (for its turn,
+    // and in the kernel), in ns, while log_waits() is on (tools/bench_scale
+    // counts them with the slow path's)
     bool log_waits = false;
     std::vector<int64_t> waits;
 
@@ -238,9 +239,9 @@ nb::object fast_seq(nb::handle seq, const char *what) {
 // for tests.
 inline long lock_slices_expired;
 
-// How many times a fused op whose lock stayed busy waits its turn and
-// tries again before it leaves the op to the slow path.
-constexpr int FUSED_TURNS = 3;
+// How many times a fused op whose lock stayed busy waits for it in the
+// kernel and tries again before it leaves the op to the slow path.
+constexpr int FUSED_RETRIES = 3;
 
 int64_t now_ns() {
     struct timespec ts;
@@ -249,15 +250,15 @@ int64_t now_ns() {
 }
 
 // The lock stayed busy through a fused op's spin: sleep until it is free
-// (GIL released) and hand it back (hot_wait_turn says why). True when the
+// (GIL released) and hand it back (hot_wait_lock says why). True when the
 // op may be tried again.
-bool wait_turn(Hot &self) {
+bool wait_lock(Hot &self) {
     HotCore *h = ready(self);
     int64_t t0 = self.log_waits ? now_ns() : 0;
     int e;
     {
         nb::gil_scoped_release unlocked;
-        e = hot_wait_turn(h, &lock_slices_expired);
+        e = hot_wait_lock(h, &lock_slices_expired);
     }
     if (self.log_waits)
         self.waits.push_back(now_ns() - t0);
@@ -277,11 +278,11 @@ int64_t logged(Hot &self, Op &op) {
 }
 
 // Run a fused op and, while it finds the lock busy, wait in the kernel
-// for the lock and run it again, FUSED_TURNS times at most.
+// for the lock and run it again, FUSED_RETRIES times at most.
 template <class Op>
-int64_t in_turn(Hot &self, Op op) {
+int64_t retried(Hot &self, Op op) {
     int64_t r = logged(self, op);
-    for (int turn = 0; r == HOT_BUSY && turn < FUSED_TURNS && wait_turn(self); turn++)
+    for (int k = 0; r == HOT_BUSY && k < FUSED_RETRIES && wait_lock(self); k++)
         r = logged(self, op);
     return r;
 }

@@ -90,7 +90,7 @@ nb::object hot_new_table_py(Hot &self, nb::handle raw_, nb::handle hash_, nb::ha
                             nb::handle epoch_) {
     RidArgs a(raw_, hash_, slot_, epoch_);
     HotCore *h = ready(self);
-    int64_t t = in_turn(self, [&] {
+    int64_t t = retried(self, [&] {
         return hot_new_table(h, a.raw, a.n, a.hash, a.slot, a.epoch);
     });
     return count_result(t);
@@ -104,7 +104,7 @@ nb::object hot_delete_table_py(Hot &self, nb::handle raw_, nb::handle hash_, nb:
     RidArgs a(raw_, hash_, slot_, epoch_);
     HotCore *h = ready(self);
     int64_t t = -1;
-    int64_t r = in_turn(self, [&] {
+    int64_t r = retried(self, [&] {
         return hot_delete_table(h, a.raw, a.n, a.hash, a.slot, a.epoch, &t);
     });
     return count_result(r < 0 ? r : t);
@@ -169,7 +169,7 @@ nb::object hot_append_py(Hot &self, nb::handle t_, nb::handle rhash_, nb::handle
     long long epoch = as_L(epoch_);
     HotCore *h = ready(self);
     return appended(h, t, n, bs, [&](int32_t *out, int64_t span, PyObject **list) {
-        return in_turn(self, [&] {
+        return retried(self, [&] {
             return hot_append(h, t, rhash, n, bs, now, slot, epoch, out, span, build_list, list);
         });
     });
@@ -196,7 +196,7 @@ nb::object hot_acquire_py(Hot &self, nb::handle t_, nb::handle rhash_, nb::handl
     Ids<64> out(nh ? nh : 1);
     PyObject *list = nullptr;
     const unsigned char *hs = (const unsigned char *)hashes;
-    int64_t r = in_turn(self, [&] {
+    int64_t r = retried(self, [&] {
         return (int64_t)hot_acquire(h, t, rhash, hs, nh, now, bs, slot, epoch, out.p, build_list,
                                     &list);
     });
@@ -228,7 +228,7 @@ nb::object hot_publish_py(Hot &self, nb::handle seq, nb::handle hashes_, nb::han
     if (!read_ids(h, fast.ptr(), ids.p, n))
         return nb::none();
     const unsigned char *hs = (const unsigned char *)hashes;
-    int64_t r = in_turn(self, [&] {
+    int64_t r = retried(self, [&] {
         return hot_publish(h, ids.p, n, hs, bs, slot, epoch);
     });
     return count_result(r);

@@ -138,7 +138,7 @@ nb::object hot_unlock_py(Hot &self) {
 // ------------------------------------------------------- the fused ops
 
 // alloc(n, slot, epoch, loose) -> list of n block ids, or None (nothing
-// changed; also when the lock stayed busy through FUSED_TURNS waits).
+// changed; also when the lock stayed busy through FUSED_RETRIES waits).
 nb::object hot_alloc_py(Hot &self, nb::handle n_, nb::handle slot_, nb::handle epoch_,
                         nb::handle loose) {
     Py_ssize_t n = as_n(n_);
@@ -152,7 +152,7 @@ nb::object hot_alloc_py(Hot &self, nb::handle n_, nb::handle slot_, nb::handle e
     LMap lm;
     open_map(h, lv, &lm);
     Ids<64> ids(n);
-    int64_t r = in_turn(self, [&] { return (int64_t)hot_alloc(h, n, slot, epoch, &lm, ids.p); });
+    int64_t r = retried(self, [&] { return (int64_t)hot_alloc(h, n, slot, epoch, &lm, ids.p); });
     if (r == HOT_NOMEM)
         raise_no_memory();
     if (r <= 0)                             // (0, or HOT_BUSY still)
@@ -178,8 +178,8 @@ nb::object hot_alloc_py(Hot &self, nb::handle n_, nb::handle slot_, nb::handle e
 // free(ids, slot, epoch, loose) -> number of blocks that became free, or
 // None (nothing changed) when an id is not an int in [1, max_blocks), is not
 // held loose by this slot as many times as listed (the slow path then
-// raises the precise error), or the lock stayed busy through FUSED_TURNS
-// waits for its turn (the slow path then waits in its turn).
+// raises the precise error), or the lock stayed busy through FUSED_RETRIES
+// waits for the lock (the slow path then waits for it in Python).
 nb::object hot_free_py(Hot &self, nb::handle seq, nb::handle slot_, nb::handle epoch_,
                        nb::handle loose) {
     int slot = as_i(slot_);
@@ -199,7 +199,7 @@ nb::object hot_free_py(Hot &self, nb::handle seq, nb::handle slot_, nb::handle e
     Ids<64> bs(n);
     if (!read_ids(h, fast.ptr(), bs.p, n))
         return nb::none();
-    int64_t r = in_turn(self, [&] { return (int64_t)hot_free(h, bs.p, n, slot, epoch, &lm); });
+    int64_t r = retried(self, [&] { return (int64_t)hot_free(h, bs.p, n, slot, epoch, &lm); });
     if (r == HOT_NOMEM)
         raise_no_memory();
     if (r < 0)
@@ -227,7 +227,7 @@ NB_MODULE(_hot, m) {
         .def("lock_slices", [](Hot &) { return lock_slices_expired; },
              "Timed-lock slices this process let run out (a test hook).")
         .def("log_waits", [](Hot &self, bool on) { self.log_waits = on; },
-             "log_waits(on): record how long each fused op's wait for its turn takes.")
+             "log_waits(on): record how long each fused op's wait for the lock takes.")
         .def("take_waits", [](Hot &self) { std::vector<int64_t> w; w.swap(self.waits); return w; },
              "The recorded waits (ns), emptied.")
         .def("alloc", &hot_alloc_py, "alloc(n, slot, epoch, loose) -> ids or None.")

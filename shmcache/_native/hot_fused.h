@@ -12,8 +12,9 @@
  * SharedBlockTable keeps both): an op runs only while the record still
  * holds that table (else it was deleted, its record perhaps reused, and the
  * slow path says so). Results as the ops they wrap, plus HOT_BUSY (nothing
- * changed): the lock stayed busy through the spin, and the binding waits its
- * turn (hot_wait_turn) and tries again.
+ * changed): the turn did not come or the lock stayed busy through the spin,
+ * and the binding waits for the lock in the kernel (hot_wait_lock) and tries
+ * again.
  *
  * NOTE: the dirty mark is set before the first write and cleared after the
  * last (begin_update, leave), as a Python hold does on entry and exit; a

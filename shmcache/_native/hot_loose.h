@@ -51,7 +51,7 @@ hot_alloc_ok(const HotCore *h, int64_t n, int slot)
  * slot, their ids written to ids (the caller's, n of them). lm is the
  * manager's LooseMap array (hot_localmap.h). 1: done; 0: nothing changed,
  * the slow path runs (the binding returns None); HOT_BUSY: nothing changed,
- * the lock stayed busy (the binding waits its turn and tries again);
+ * the lock stayed busy (the binding waits for the lock and tries again);
  * HOT_NOMEM: nothing changed.
  * A cached block among the first n free ones is evicted (hot_evict; when
  * the index around its entry is not sound, 0: the slow path meets it), and
@@ -194,7 +194,7 @@ hot_free_ok(const HotCore *h, int slot)
  * [1, max_blocks) (the binding, which reads the ids, refuses one that is
  * not an int first), is not held loose by this slot as many times as
  * listed: the slow path then raises the precise error; HOT_BUSY (nothing
- * changed) when the lock stayed busy (the binding waits its turn and tries
+ * changed) when the lock stayed busy (the binding waits for the lock and tries
  * again); HOT_NOMEM (nothing changed). */
 static inline int64_t
 hot_free(HotCore *h, const int32_t *bs, int64_t n, int slot, long long epoch, LMap *lm)

@@ -182,7 +182,7 @@ hot_lock(HotCore *h, long *slices)
  * the op needs the GIL, and waiting for the GIL while holding the pool lock
  * would stall every other process behind this one's threads. */
 static inline int
-hot_wait_turn(HotCore *h, long *slices)
+hot_wait_lock(HotCore *h, long *slices)
 {
     int e = hot_lock(h, slices);
     if (e == 0 || e == EOWNERDEAD)
@@ -234,7 +234,7 @@ spin_lock(HotCore *h)
  * holder of the turn, or of the lock, is given up now and then). */
 #define TURN_YIELD 4096
 /* The longest wait for a turn (the caller then waits in the kernel for the
- * lock, hot_wait_turn): a lock word that names a thread that no longer
+ * lock, hot_wait_lock): a lock word that names a thread that no longer
  * exists is noticed there, and the GIL is not held this long. */
 #define TURN_MAX_NS 1000000L
 
@@ -330,7 +330,7 @@ release(HotCore *h)
 /* Take the lock for a fused op; 0 if the op may go on (lock held, pool
  * clean, the manager's view current); else the lock is not held: -2 when
  * its turn did not come, or the lock stayed busy through the spin (the
- * caller may wait for it and try again, see hot_wait_turn), -1 when the
+ * caller may wait for it and try again, see hot_wait_lock), -1 when the
  * pool is dirty or the view stale (the slow path repairs or resyncs). */
 static inline int
 enter(HotCore *h, long long epoch, int slot)

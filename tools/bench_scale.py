@@ -16,6 +16,10 @@ Mixes (block size 16):
   on a shared 32-block system prompt plus about 4 blocks of its own (added to
   the table); ``prepare_append`` for the rest, then ``cache_full_blocks``;
   8 x ``prepare_append(t, 1)``; delete the table.
+* ``control``: the serving op's own Python work with no pool at all (the
+  request's tokens, and the chain hashes its lookup and its publication
+  compute): how far the machine itself lets N processes scale. Not in the
+  default ``--mix``.
 
     python -m tools.bench_scale --processes 1,2,4,8,16 --seconds 4
 
@@ -103,6 +107,15 @@ def worker(name: str, mix: str, start_at: float, seconds: float, seed: int, out:
             for _ in range(64):
                 mgr.free_block_batch(mgr.get_new_blocks(16))
             ops += 64
+    elif mix == "control":
+        from shmcache.blocks import chain_hashes
+        root = os.urandom(16)
+        while time.time() < end:
+            for _ in range(4):
+                tokens = system + [rng.randrange(1 << 20, 1 << 30) for _ in range(4 * BS + rng.randrange(BS))]
+                chain_hashes(root, BS, tokens, len(tokens) // BS)
+                chain_hashes(root, BS, tokens, len(tokens) // BS, None, None, SYSTEM_BLOCKS)
+                ops += 1
     elif not steps:
         while time.time() < end:
             for _ in range(4):
@@ -220,7 +233,8 @@ def main(argv=None) -> int:
     ap.add_argument("--processes", default=f"1,2,{os.cpu_count() or 2}",
                     help="comma-separated process counts (default 1,2,<CPUs>)")
     ap.add_argument("--seconds", type=float, default=4.0, help="run time per point (default 4)")
-    ap.add_argument("--mix", default="batched,serving", help="batched, serving or both")
+    ap.add_argument("--mix", default="batched,serving",
+                    help="comma-separated mixes: batched, serving, control (default batched,serving)")
     ap.add_argument("--max-blocks", type=int, default=65536)
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--repeat", type=int, default=1,
@@ -242,7 +256,7 @@ def main(argv=None) -> int:
         ap.error("--processes: counts must be at least 1")
     mixes = args.mix.split(",")
     for mix in mixes:
-        if mix not in ("batched", "serving"):
+        if mix not in ("batched", "serving", "control"):
             ap.error(f"--mix: unknown mix {mix!r}")
     if args.repeat < 1:
         ap.error("--repeat: must be at least 1")

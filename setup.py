@@ -23,7 +23,7 @@ _LINUX = sys.platform.startswith("linux")
 # _hot's flags; -fno-strict-aliasing: its core reads the pool's records
 # through pointer casts into one mapping
 _HOT_FLAGS = ["-O2", "-Wall", "-std=c++17", "-fvisibility=hidden", "-fno-strict-aliasing"]
-_HOT_HEADERS = ["hot_params.h", "hot_mutex.h", "hot_localmap.h", "hot_loose.h",
+_HOT_HEADERS = ["hot_params.h", "hot_mutex.h", "hot_enter.h", "hot_localmap.h", "hot_loose.h",
                 "hot_tables.h", "hot_append.h", "hot_index.h", "hot_fused.h", "bind_args.h", "bind_tables.h"]
 
 

@@ -146,7 +146,7 @@ L2_COUNTERS = ("lookups", "hits", "misses", "read_bytes", "writes", "written_byt
                "dropped", "rejected", "timeouts", "errors", "outages")
 C_L2 = {name: 16 + i for i, name in enumerate(L2_COUNTERS)}   # counters 16..26
 C_FREE_CHUNK, C_FREE_CHUNKS = C_FREE_REF, C_FREE_REFS
-# The turns of the fused C ops at the pool lock (shmcache/_native/hot_mutex.h,
+# The turns of the fused C ops at the pool lock (shmcache/_native/hot_enter.h,
 # take_turn): the next turn to hand out, and the turn whose holder may take
 # the lock now. Each on a cache line of its own (the waiters poll C_TURN_NOW).
 C_TURN_NEXT = 32

@@ -1,4 +1,4 @@
-"""The turns of the fused C ops at the pool lock (shmcache/_native/hot_mutex.h,
+"""The turns of the fused C ops at the pool lock (shmcache/_native/hot_enter.h,
 take_turn): every turn handed out is handed on, a turn whose holder is gone
 (killed waiting, or killed holding the lock) is skipped, and the lock stays
 the robust mutex's to give (a dead holder's lock still comes back with the

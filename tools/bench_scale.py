@@ -4,7 +4,7 @@ N independent processes attach to one pool by name and run one mix for a
 fixed time, all starting together; the table gives ops/s summed over the
 processes, the ratio to N=1, and the p50/p99 of the waits for the pool lock
 (a wait: the time one lock acquisition waited for the lock: a fused C
-operation's wait for its turn (hot_mutex.h's take_turn), and any wait asleep
+operation's wait for its turn (hot_enter.h's take_turn), and any wait asleep
 in the kernel after a spin failed, in the lock's slow path or in a fused
 operation; ``waits/op`` is how many such waits one operation had on average:
 a serving op takes the lock 13 times, a batched op twice).

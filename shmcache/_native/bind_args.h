@@ -22,7 +22,7 @@
 
 #include "hot_params.h"
 #include "hot_localmap.h"
-#include "hot_mutex.h"
+#include "hot_enter.h"
 
 #include <time.h>
 
@@ -266,7 +266,7 @@ bool wait_lock(Hot &self) {
 }
 
 // Run a fused op (op() -> its result), logging how long it waited for its
-// turn at the lock (hot_mutex.h's take_turn) when the waits are logged.
+// turn at the lock (hot_enter.h's take_turn) when the waits are logged.
 template <class Op>
 int64_t logged(Hot &self, Op &op) {
     HotCore *h = ready(self);

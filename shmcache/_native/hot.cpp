@@ -10,7 +10,9 @@
 // translation unit; the core is in headers it includes, plain C/C++ with no
 // Python, one role each:
 //   hot_params.h    HotCore: the pool fields the core reaches, and their checks;
-//   hot_mutex.h     the robust pool mutex, and how a fused op takes it;
+//   hot_mutex.h     the robust pool mutex;
+//   hot_enter.h     how a fused op takes it: its turn, a short spin, the
+//                   dirty mark, the release that hands the turn on;
 //   hot_localmap.h  the process-local map of a slot's loose references
 //                   (loosemap.py's int32 array, shared with numpy);
 //   hot_loose.h     alloc() and free(): fused, they take the lock themselves
@@ -36,6 +38,7 @@
 #include <new>
 
 #include "hot_params.h"
+#include "hot_enter.h"
 #include "hot_mutex.h"
 #include "hot_loose.h"
 #include "hot_tables.h"

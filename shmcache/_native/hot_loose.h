@@ -27,7 +27,7 @@
 #ifndef SHMCACHE_HOT_LOOSE_H
 #define SHMCACHE_HOT_LOOSE_H
 
-#include "hot_mutex.h"
+#include "hot_enter.h"
 #include "hot_index.h"
 #include "hot_localmap.h"
 

@@ -69,7 +69,7 @@ typedef struct {
     int64_t nchunks;        /* chunk ids the fused ops accept: [0, nchunks) */
     int64_t gen_off;        /* byte offset of a block record's generation (-1: off) */
     int64_t c_tokens;       /* counter index of the seed's total_tokens_cached (-1: off) */
-    int64_t turn;           /* the lock holder's turn (hot_mutex.h's take_turn), -1: none */
+    int64_t turn;           /* the lock holder's turn (hot_enter.h's take_turn), -1: none */
     int64_t turn_wait_ns;   /* how long the last take_turn waited for its turn */
 } HotCore;
 

@@ -16,7 +16,7 @@
 #ifndef SHMCACHE_HOT_TABLES_H
 #define SHMCACHE_HOT_TABLES_H
 
-#include "hot_mutex.h"
+#include "hot_enter.h"
 
 #include <stdint.h>
 #include <stdlib.h>

@@ -2,7 +2,8 @@
 the seed runs unchanged: vllm-mlx 0.6.0's ``BlockAwarePrefixCache`` over
 ``shmcache.paged_cache``; the seed's statistics, side by side with the seed
 module on the same calls; ``table.block_ids`` as a list that changes the
-table; ``block.cache_data``; the raw free-queue calls; and ``trim_table``.
+table; ``block.cache_data``; the raw free-queue calls. (``trim_table``:
+tests/test_tables.py.)
 
 vllm-mlx is installed ``--no-deps`` in the test environment only (``make
 test`` does it); the tests that need it are skipped without it."""
@@ -19,8 +20,8 @@ import pytest
 import shmcache
 from shmcache import paged_cache as pc
 
-from _helpers import BS, cached_table, kv_data, payload, snapshot, toks
-from _helpers import kvpool as kvpool, pair as pair  # pytest fixtures
+from _helpers import BS, cached_table, snapshot, toks
+from _helpers import pair as pair  # pytest fixtures
 
 try:
     from vllm_mlx import paged_cache as seed_pc
@@ -350,62 +351,3 @@ def test_free_queue_calls_never_list_a_referenced_block(manager):
     q.append_n(got + [blk])
     m.delete_block_table("t")
     assert m.free_blocks == 31 and m.check() == []
-
-
-# ================================================================ trim_table
-def test_trim_table_releases_emptied_blocks(kvpool):
-    m = kvpool
-    t = m.create_block_table("a")
-    ids = [b.block_id for b in m.prepare_append(t, 10)]        # 4 + 4 + 2
-    tokens_before = m.get_stats().total_tokens_cached
-    assert m.trim_table(t, 3) == 3
-    assert t.num_tokens == 7 and t.block_ids == ids[:2]
-    assert m.blocks[ids[2]].ref_count == 0 and m.blocks[ids[1]].token_count == 3
-    assert m.get_stats().total_tokens_cached == tokens_before - 3
-    assert m.check() == []
-    got = m.prepare_append(t, 2)                 # continues in the private block
-    assert [g.block_id for g in got] == [ids[1], got[1].block_id]
-    assert m.trim_table(t, 100) == 9 and t.block_ids == [] and t.num_tokens == 0
-    assert m.free_blocks == 15 and m.check() == []
-    with pytest.raises(ValueError):
-        m.trim_table(t, -1)
-    with pytest.raises(KeyError):
-        m.trim_table("nope", 1)
-
-
-def test_trim_table_into_a_shared_block_only_dereferences(kvpool):
-    m = kvpool
-    t = m.create_block_table("a")
-    ids = [b.block_id for b in m.prepare_append(t, 8)]
-    m.write_kv(ids[1], 0, kv_data(m, 1), kv_data(m, 2))
-    before = payload(m, ids[1])
-    f = m.fork_block_table(t, "f")
-    m.trim_table(f, 2)                           # f's last block: shared, now partial
-    assert f.block_ids == ids and f.num_tokens == 6
-    assert [m.blocks[b].ref_count for b in ids] == [2, 2]
-    assert m.blocks[ids[1]].token_count == 4     # (still t's full block)
-    m.trim_table(f, 4)                           # drops it: a reference released
-    assert f.block_ids == ids[:1] and m.blocks[ids[1]].ref_count == 1
-    m.trim_table(t, 2)
-    (g,) = m.prepare_append(f, 1)                # f's 2 tokens are in a shared block: copied
-    assert g.block_id not in ids and f.block_ids == [g.block_id]
-    assert payload(m, g.block_id) == payload(m, ids[0])
-    (h,) = m.prepare_append(t, 1)                # t's own block is private: written in place
-    assert h.block_id == ids[1]
-    m.write_kv(h.block_id, 0, kv_data(m, 3, 1), kv_data(m, 4, 1), start=2)
-    assert payload(m, ids[1]) != before and m.check() == []
-
-
-def test_trim_table_never_writes_into_a_published_block(kvpool):
-    m = kvpool
-    t, ids, tokens = cached_table(m, "a", 2)
-    m.write_kv(ids[1], 0, kv_data(m, 5), kv_data(m, 6))
-    before = payload(m, ids[1])
-    m.trim_table(t, 1)
-    (g,) = m.prepare_append(t, 1)                # lands in the published block: copied
-    assert g.block_id != ids[1] and t.block_ids == [ids[0], g.block_id]
-    assert payload(m, g.block_id) == before      # the copy has its bytes
-    m.write_kv(g.block_id, 0, kv_data(m, 7, 1), kv_data(m, 8, 1), start=3)
-    assert payload(m, ids[1]) == before          # the published block is untouched
-    assert m.get_computed_blocks(tokens)[1] == 2 * BS
-    assert m.check() == []

@@ -126,7 +126,8 @@ def render(d: dict) -> str:
         f"{100 * d['prefix_hit_rate']:.1f}%, cow copies {d['cow_copies']}, "
         f"evictions {d['evictions']}",
         f"pool      tables {d['block_tables']}, lock holds {d['ops']}, max lock wait "
-        f"{d['max_lock_wait_s'] * 1e3:.3f} ms, recoveries {d['recoveries']}, reclaimed refs "
+        f"{d['max_lock_wait_s'] * 1e3:.3f} ms, turns {d['lock_turns']} "
+        f"({d['lock_queue']} waiting), recoveries {d['recoveries']}, reclaimed refs "
         f"{d['reclaimed_refs']}{', DIRTY' if d['dirty'] else ''}"
         f"{'' if d['consistent_snapshot'] else ' (lock busy: unlocked snapshot)'}",
     ]

@@ -185,6 +185,8 @@ class PoolView:
             d.update(block_tables=int(c[L.C_NUM_TABLES]), ops=int(c[L.C_OPS]),
                      recoveries=int(c[L.C_RECOVERIES]), reclaimed_refs=int(c[L.C_RECLAIMED]),
                      max_lock_wait_s=int(c[L.C_LOCK_WAIT_NS]) / 1e9,
+                     lock_turns=int(c[L.C_TURN_NEXT]),
+                     lock_queue=max(0, int(c[L.C_TURN_NEXT]) - int(c[L.C_TURN_NOW])),
                      dirty=bool(c[L.C_DIRTY]), free_ref_chunks=int(c[L.C_FREE_REFS]))
             d["l2"] = self.l2_counters()
             d["layout"] = {k: getattr(lay, k) for k in lay.__dataclass_fields__}

@@ -17,6 +17,7 @@ import time
 import pytest
 
 from shmcache import layout as L
+from shmcache import lock as shlock
 
 from conftest import new_name
 from _cli import CMD, busy_pool, run
@@ -64,6 +65,9 @@ def test_inspect_json_matches_manager(make_pool):
     (h,) = d["holders"]
     assert h["pid"] == os.getpid() and h["alive"] is True
     assert h["tables"] == 2 and h["loose_blocks"] == 4 and h["table_blocks"] == 3 + 3
+    # the fused ops' turns at the lock (C only): each handed on, none waiting
+    assert d["lock_turns"] == int(m._p.c[L.C_TURN_NEXT]) and d["lock_queue"] == 0
+    assert (d["lock_turns"] > 0) == shlock.ACCELERATED
     assert m.check() == []
 
 
@@ -74,7 +78,8 @@ def test_inspect_text(make_pool):
     out = r.stdout
     assert m.name in out and f"pid {os.getpid()} (alive)" in out
     for w in ("allocated", "free", "shared", "cached", "hits", "misses", "prefix hit rate",
-              "cow copies 1", "evictions", "block_size 4", "max_blocks 32", "holders"):
+              "cow copies 1", "evictions", "block_size 4", "max_blocks 32", "holders",
+              "(0 waiting)"):
         assert w in out, w
 
 

@@ -49,6 +49,7 @@ def test_a_turn_nobody_takes_is_skipped_and_the_wait_logged(make_pool):
         nat.log_waits(False)
     assert len(got) == 3 and m.check() == []
     assert len(waits) == 1 and 0 < waits[0] < 10**9, waits
+    assert int(m._p.c[L.C_LOCK_WAIT_NS]) >= waits[0]       # inspect's longest wait
     assert _turns(m) == (nxt + 2, nxt + 2)          # skipped, then handed on
     m.free_block_batch(got)
     assert _turns(m) == (nxt + 3, nxt + 3)

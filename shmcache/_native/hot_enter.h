@@ -63,14 +63,6 @@ spin_lock(HotCore *h)
  * exists is noticed there, and the GIL is not held this long. */
 #define TURN_MAX_NS 1000000L
 
-static inline int64_t
-mono_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
 static inline int
 lock_word_free(const HotCore *h)
 {
@@ -168,6 +160,8 @@ enter(HotCore *h, long long epoch, int slot)
         return -2;
     }
     h->turn = t;
+    if (h->turn_wait_ns > C(h, P_C_LOCK_WAIT_NS))     /* the longest wait, for inspect */
+        C(h, P_C_LOCK_WAIT_NS) = h->turn_wait_ns;
     if (C(h, P_C_DIRTY) || C(h, P_C_EPOCH) != epoch) {
         release(h);
         return -1;

@@ -34,6 +34,14 @@
 
 /* ------------------------------------------------------------- the mutex */
 
+static inline int64_t
+mono_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
 /* Initialise the robust mutex (the pool's creator only): 0, or an errno. */
 static inline int
 hot_init_mutex(HotCore *h)
@@ -181,9 +189,14 @@ hot_lock(HotCore *h, long *slices)
 static inline int
 hot_wait_lock(HotCore *h, long *slices)
 {
+    int64_t t0 = mono_ns(), w;
     int e = hot_lock(h, slices);
-    if (e == 0 || e == EOWNERDEAD)
+    if (e == 0 || e == EOWNERDEAD) {
+        w = mono_ns() - t0;
+        if (w > C(h, P_C_LOCK_WAIT_NS))     /* the longest wait, for inspect */
+            C(h, P_C_LOCK_WAIT_NS) = w;
         return pthread_mutex_unlock(h->mutex);
+    }
     return e;
 }
 

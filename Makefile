@@ -41,7 +41,7 @@ test: setup
 	# the fallback where the C accelerators are not built: same mutex, Python paths, numpy gather
 	SHMCACHE_PURE=1 $(BIN)/python -m pytest -q tests/test_mutex.py tests/test_mutex_wakeup.py tests/test_recovery.py tests/test_reclaim.py \
 		tests/test_paged_cache.py tests/test_lock.py tests/test_kv.py tests/test_kv_read.py tests/test_refs.py \
-		tests/test_seed_consumer.py
+		tests/test_seed_consumer.py tests/test_tables.py
 
 run: setup
 	$(BIN)/python -m workers.supervisor

@@ -85,6 +85,10 @@ def test_shared_prefix_is_reused_across_workers(two_workers, reference):
     assert "".join(busy_parts) == reference.greedy(busy_prompt, 400).text
     assert srv.metric("shmcache_prefix_cache_hit_rate") > hit_rate_before >= 0
     assert srv.metric("shmcache_cached_prompt_tokens_total") >= full * len(answers)
+    # the pool lock, as the workers used it: held many times, nobody waiting now
+    assert srv.metric("shmcache_pool_lock_holds_total") > len(answers)
+    assert srv.metric("shmcache_pool_lock_queue") == 0
+    assert 0 <= srv.metric("shmcache_pool_lock_wait_max_seconds") < 10
     # the prefix's blocks (and more) stay cached, with nothing in use
     assert srv.wait_idle()["cached"] >= full // BS
 

@@ -40,6 +40,7 @@ import random
 from pathlib import Path
 from typing import AsyncIterator, Optional
 
+from .. import layout as L
 from ..layout import FLAG_CACHED
 from . import wire
 from .protocol import Error, SampleDone, SamplingParams, Started, Tokens
@@ -193,8 +194,11 @@ class WorkerBackend(WorkerLifecycle):
         lay = m.layout
         per_block = 2 * lay.num_layers * lay.num_kv_heads * lay.head_dim * lay.block_size * (
             4 if lay.dtype == "float32" else 2)
+        c = m._p.c                          # (aligned int64s: never torn)
         out = dict(blocks_total=n - 1, blocks_used=used, blocks_free=free, blocks_cached=n_cached,
-                   pool_kv_bytes=held * per_block,
+                   pool_kv_bytes=held * per_block, lock_holds=int(c[L.C_OPS]),
+                   lock_wait_max=int(c[L.C_LOCK_WAIT_NS]) / 1e9,
+                   lock_queue=max(0, int(c[L.C_TURN_NEXT]) - int(c[L.C_TURN_NOW])),
                    preemptions=sum(w.preemptions for w in self.workers),
                    worker_restarts=self.restarts,
                    workers_alive=sum(1 for w in self.workers if w.ready.is_set()

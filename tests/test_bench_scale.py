@@ -29,3 +29,25 @@ def test_bench_scale_reports_both_mixes(tmp_path):
     assert all(x["ops_per_s"] > 0 and x["violations"] == 0 for x in rows)
     assert "| batched | 2 |" in r.stdout and "python -m tools.bench_scale" in r.stdout
     assert not [n for n in set(segment.list_names()) - before if n.startswith("bscale-")]
+
+
+@pytest.mark.timeout(180)
+def test_bench_scale_repeats_in_rounds_times_the_steps_and_runs_the_control(tmp_path):
+    out = tmp_path / "scale.json"
+    r = subprocess.run([sys.executable, "-m", "tools.bench_scale", "--processes", "1,2",
+                        "--seconds", "0.3", "--repeat", "2", "--mix", "serving,control", "--steps",
+                        "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=170)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert sorted((x["mix"], x["processes"]) for x in rows) == sorted(
+        [(m, n) for m in ("serving", "control") for n in (1, 2)] * 2)
+    assert "--repeat 2" in r.stdout and "| serving | 2 | " in r.stdout and "–" in r.stdout
+    serving = [x for x in rows if x["mix"] == "serving"]
+    # every step timed, and the fused calls' lock holds with them
+    assert all(len(x["step_us"]) == 9 and min(x["step_us"]) > 0 for x in serving), serving
+    assert "lock held / op" in r.stdout
+    assert all(x["step_us"] is None and x["waits_per_op"] == 0 for x in rows
+               if x["mix"] == "control")
+    bad = subprocess.run([sys.executable, "-m", "tools.bench_scale", "--repeat", "0"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--repeat: must be at least 1" in bad.stderr

@@ -25,7 +25,8 @@ Mixes (block size 16):
 
 ``--repeat K`` runs every point K times, in interleaved rounds, and prints
 medians with their ranges; ``--steps`` also times each step of a serving op
-(the table's second part: where the time goes as N grows).
+and the lock holds of its fused C calls (the table's second part: where the
+time goes as N grows).
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ def worker(name: str, mix: str, start_at: float, seconds: float, seed: int, out:
     log_c = hasattr(native, "log_waits")        # (the C accelerator: its own waits)
     if log_c:
         native.log_waits(True)
+        native.log_holds(steps)
     rng = random.Random(seed)
     system = list(range(SYSTEM_BLOCKS * BS))
     ops = 0
@@ -102,6 +104,7 @@ def worker(name: str, mix: str, start_at: float, seconds: float, seed: int, out:
     while time.time() < start_at:
         time.sleep(0.0005)
     end = start_at + seconds
+    took = None                                 # (the serving mix's steps, --steps)
     if mix == "batched":
         while time.time() < end:
             for _ in range(64):
@@ -116,7 +119,7 @@ def worker(name: str, mix: str, start_at: float, seconds: float, seed: int, out:
                 chain_hashes(root, BS, tokens, len(tokens) // BS)
                 chain_hashes(root, BS, tokens, len(tokens) // BS, None, None, SYSTEM_BLOCKS)
                 ops += 1
-    elif not steps:
+    elif not steps:                             # the serving mix
         while time.time() < end:
             for _ in range(4):
                 rid = f"p{pid}.{ops}"
@@ -131,10 +134,13 @@ def worker(name: str, mix: str, start_at: float, seconds: float, seed: int, out:
                 ops += 1
     else:
         ops, took = _serving_steps(mgr, rng, system, pid, end)
+    holds = held = 0
     if log_c:
         waits.extend(native.take_waits())
+        holds, held = native.take_holds()
     with open(out, "w") as f:
-        json.dump({"ops": ops, "waits_ns": waits, "steps_s": took if steps else None}, f)
+        json.dump({"ops": ops, "waits_ns": waits, "steps_s": took,
+                   "holds": holds, "held_ns": held}, f)
     mgr.close()
     return 0
 
@@ -175,6 +181,10 @@ def run_point(mix: str, n: int, seconds: float, max_blocks: int, steps: bool = F
         if steps and mix == "serving":
             step_us = [sum(r["steps_s"][i] for r in results) / max(1, ops) * 1e6
                        for i in range(len(STEPS))]
+            holds = sum(r["holds"] for r in results)
+            held = sum(r["held_ns"] for r in results) / 1e3
+            # the fused ops' own holds of the lock (the C ones: all of this mix's)
+            step_us += [held / max(1, ops), held / max(1, holds)]
         return {"mix": mix, "processes": n, "ops_per_s": ops / seconds, "step_us": step_us,
                 "waits_per_op": len(waits) / max(1, ops),
                 "wait_p50_us": _pct(waits, 0.50) / 1e3, "wait_p99_us": _pct(waits, 0.99) / 1e3,
@@ -218,11 +228,14 @@ def table(rows) -> str:
 
 
 def steps_table(rows) -> str:
-    """Mean microseconds one serving op spent in each step, per N (--steps)."""
+    """Mean microseconds one serving op spent in each step, per N (--steps),
+    then the microseconds it held the lock (in the fused C ops), and the mean
+    length of one hold."""
     rows = [r for r in rows if r.get("step_us")]
     if not rows:
         return ""
-    lines = ["| N | " + " | ".join(STEPS) + " |", "|---|" + "---|" * len(STEPS)]
+    heads = STEPS + ("lock held / op", "µs / hold")
+    lines = ["| N | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
     for r in rows:
         lines.append(f"| {r['processes']} | " + " | ".join(f"{u:.1f}" for u in r["step_us"]) + " |")
     return "mean µs per serving op in each step:\n" + "\n".join(lines)

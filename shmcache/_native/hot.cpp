@@ -33,6 +33,7 @@
 // The pool's mapping is held (PyObject_GetBuffer, writable) for the
 // object's life, until release(); the loose map for one call.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/vector.h>
 
 #include <new>
@@ -231,6 +232,15 @@ NB_MODULE(_hot, m) {
              "Timed-lock slices this process let run out (a test hook).")
         .def("log_waits", [](Hot &self, bool on) { self.log_waits = on; },
              "log_waits(on): record how long each fused op's wait for the lock takes.")
+        .def("log_holds", [](Hot &self, bool on) { ready(self)->log_holds = on; },
+             "log_holds(on): time the fused ops' lock holds (take_holds).")
+        .def("take_holds", [](Hot &self) {
+                 HotCore *h = ready(self);
+                 std::pair<int64_t, int64_t> r(h->holds, h->held_ns);
+                 h->holds = h->held_ns = 0;
+                 return r;
+             },
+             "(holds, ns held) since the last call, while log_holds is on.")
         .def("take_waits", [](Hot &self) { std::vector<int64_t> w; w.swap(self.waits); return w; },
              "The recorded waits (ns), emptied.")
         .def("alloc", &hot_alloc_py, "alloc(n, slot, epoch, loose) -> ids or None.")

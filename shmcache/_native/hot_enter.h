@@ -140,6 +140,11 @@ release(HotCore *h)
 {
     int64_t t = h->turn;
     h->turn = -1;
+    if (h->log_holds && h->hold_start) {
+        h->held_ns += mono_ns() - h->hold_start;
+        h->holds++;
+        h->hold_start = 0;
+    }
     pthread_mutex_unlock(h->mutex);
     pass_turn(h, t);
 }
@@ -160,6 +165,8 @@ enter(HotCore *h, long long epoch, int slot)
         return -2;
     }
     h->turn = t;
+    if (h->log_holds)
+        h->hold_start = mono_ns();
     if (h->turn_wait_ns > C(h, P_C_LOCK_WAIT_NS))     /* the longest wait, for inspect */
         C(h, P_C_LOCK_WAIT_NS) = h->turn_wait_ns;
     if (C(h, P_C_DIRTY) || C(h, P_C_EPOCH) != epoch) {

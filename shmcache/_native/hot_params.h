@@ -71,6 +71,9 @@ typedef struct {
     int64_t c_tokens;       /* counter index of the seed's total_tokens_cached (-1: off) */
     int64_t turn;           /* the lock holder's turn (hot_enter.h's take_turn), -1: none */
     int64_t turn_wait_ns;   /* how long the last take_turn waited for its turn */
+    int log_holds;          /* time the fused ops' holds (tools/bench_scale --steps) */
+    int64_t hold_start;     /* when the current hold began (log_holds) */
+    int64_t holds, held_ns; /* the holds timed, and their total */
 } HotCore;
 
 #define BF(h, b, f, T) (*(T *)((h)->base + (h)->p[P_BLOCKS_OFF] + (int64_t)(b) * (h)->p[P_BLOCK_SIZE] + (h)->p[f]))
@@ -191,6 +194,8 @@ hot_open(HotCore *h, void *buf, int64_t len, const int64_t *params, double creat
     h->c_tokens = -1;
     h->turn = -1;
     h->turn_wait_ns = 0;
+    h->log_holds = 0;
+    h->hold_start = h->holds = h->held_ns = 0;
     return NULL;
 }
 

@@ -36,8 +36,9 @@ cpu_relax(void)
 
 /* A fused op holds the lock for a microsecond or two, so when it is busy a
  * short spin usually gets it: far cheaper than the slow path's sleep in
- * futex() and wake-up. Bounded (a few tens of microseconds): the holder may
- * be a thread of this process waiting for the GIL we hold. */
+ * futex() and wake-up. Bounded (256 tries 16 pauses apart: tens of
+ * microseconds, up to about 200 where a pause is long, as on recent Xeons):
+ * the holder may be a thread of this process waiting for the GIL we hold. */
 static inline int
 spin_lock(HotCore *h)
 {

@@ -29,13 +29,19 @@ def cached_table(m, rid: str, n_blocks: int, base: int = 0, extra_keys=None):
     return t, [b.block_id for b in blocks], tokens
 
 
+# Counters that two pools differ in by their lock holds alone (the holds'
+# bookkeeping: ops, longest wait, dirty mark, holder, turns): the state
+# comparisons leave them out.
+LOCK_COUNTERS = [L.C_OPS, L.C_LOCK_WAIT_NS, L.C_DIRTY, L.C_HOLDER, L.C_TURN_NEXT, L.C_TURN_NOW]
+
+
 def snapshot(m):
     """Every metadata byte of the pool except the lock bookkeeping counters,
     plus the manager's private index of its own references."""
     p = m._p
     lay = p.layout
     c = p.counters.copy()
-    c[[L.C_OPS, L.C_LOCK_WAIT_NS, L.C_DIRTY, L.C_HOLDER, L.C_TURN_NEXT, L.C_TURN_NOW]] = 0
+    c[LOCK_COUNTERS] = 0
     hdr = bytes(p.mm[:L.MUTEX_OFF]) + bytes(p.mm[L.MUTEX_OFF + L.MUTEX_BYTES:lay.counters_off])
     return (hdr, c.tobytes(),
             bytes(p.mm[lay.slots_off:lay.arena_off]),

@@ -16,6 +16,7 @@ from shmcache import layout as L
 from shmcache import lock as shlock
 from shmcache.refs import rid_key
 
+from _helpers import LOCK_COUNTERS
 from _mutex import PythonOnly
 
 
@@ -39,7 +40,7 @@ def _shared_state(m):
     p = m._p
     b = p.blocks
     c = p.counters.copy()
-    c[[L.C_OPS, L.C_LOCK_WAIT_NS, L.C_DIRTY, L.C_HOLDER, L.C_TURN_NEXT, L.C_TURN_NOW]] = 0
+    c[LOCK_COUNTERS] = 0
     return (b["ref_count"].tobytes(), b["prev"].tobytes(), b["next"].tobytes(),
             b["flags"].tobytes(), b["token_count"].tobytes(), b["gen"].tobytes(),
             b["hash"].tobytes(), p.chunks.tobytes(), p.slots["loose_head"].tobytes(),

@@ -22,6 +22,7 @@ import shmcache
 from shmcache import layout as L
 from shmcache import lock as shlock, segment
 
+from _helpers import LOCK_COUNTERS
 from _mutex import map_mutex, needs_c, python_only
 from _proc_client import lock_is_busy, wait_for_lock_waiter
 
@@ -139,7 +140,7 @@ def _state(m):
     p = m._p
     b = p.blocks
     c = p.counters.copy()
-    c[[L.C_OPS, L.C_LOCK_WAIT_NS, L.C_DIRTY, L.C_HOLDER, L.C_TURN_NEXT, L.C_TURN_NOW]] = 0
+    c[LOCK_COUNTERS] = 0
     return (b["ref_count"].tobytes(), b["prev"].tobytes(), b["next"].tobytes(),
             b["flags"].tobytes(), b["token_count"].tobytes(), b["gen"].tobytes(),
             p.chunks.tobytes(),

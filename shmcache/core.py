@@ -8,7 +8,7 @@ import logging
 import numpy as np
 
 from . import layout as L
-from . import recovery
+from . import recovery, reserve
 from .blocks import CacheBlock, PoolStats, chain_hashes
 from .errors import CapacityError
 from .reclaim import reclaim_dead_slots, release_block
@@ -32,6 +32,11 @@ class PoolOps:
         if not 0 <= b < self.max_blocks:
             raise ValueError(f"block id {b} out of range [0, {self.max_blocks})")
         return b
+
+    def _loose_held(self, b: int) -> int:
+        # loose references held, less the one of a block in this reserve (freed)
+        p = self._p
+        return self._refs.loose.count(b) - int(p.b_prev[b] == L.stash_mark(p.slot))
 
     def _bids(self, blocks) -> list:
         out = []
@@ -145,10 +150,15 @@ class PoolOps:
         if free >= n:
             return True
         self._reclaim_locked()
+        free = self._p.c[L.C_NUM_FREE]
+        if free < n:
+            reserve.take_from_reserves(self, n - free)
         return self._p.c[L.C_NUM_FREE] >= n
 
     def _take_ref(self, b: int) -> None:
         p = self._p
+        if p.b_prev[b] <= -2:
+            reserve.take_block(self, b)     # (free now, if a reserve held it)
         if p.b_ref[b] == 0:
             if p.b_prev[b] < 0 or p.b_next[b] < 0:
                 raise p.corrupt(f"block {b} has no references but is not in the free list")

@@ -17,6 +17,7 @@ the pool has repaired itself (``Pool.corrupt``).
 
 from __future__ import annotations
 
+from .layout import held_mark
 from .reclaim import release_block
 
 
@@ -24,8 +25,11 @@ def alloc_loose(mgr, n: int) -> list:
     """Pop ``n`` blocks into this manager's loose references, in free-list
     order (the caller checked that they are free and the chunks suffice)."""
     ids = []
+    p = mgr._p
+    mark = held_mark(p.slot, p.layout.max_slots)
     for _ in range(n):
         b = mgr._pop_free()
+        p.b_prev[b] = mark          # allocated loose: the owner may reserve it
         mgr._refs.add_loose(b)
         ids.append(b)
     return ids

@@ -23,7 +23,7 @@ import numpy as np
 import psutil
 
 from . import layout as L
-from . import recovery, segment
+from . import recovery, reserve, segment
 from .errors import CorruptPoolError, IncompatiblePoolError
 from .lock import MUTEX_MAP_SIZE, open_mutex
 from .platform import byte_held_by_other
@@ -236,7 +236,8 @@ class PoolView:
             holders.append({"slot": s, "pid": int(snap.slots["pid"][s]),
                             "alive": self.slot_alive(s), "tables": int(mine.size),
                             "table_blocks": int(t["length"][mine].sum()),
-                            "loose_blocks": int(snap.slots["loose_count"][s])})
+                            "loose_blocks": int(snap.slots["loose_count"][s]),
+                            "reserved_blocks": int(snap.slots["reserved"][s])})
         return {"problems": problems, "dirty": bool(snap.c[L.C_DIRTY]), "stable": stable,
                 "stats": recovery.scan_stats(snap), "tables": int(snap.c[L.C_NUM_TABLES]),
                 "holders": holders}
@@ -248,7 +249,7 @@ class PoolView:
         if self.layout is not None:
             n = self.layout.max_blocks
             d.update(max_blocks=n, block_size=self.layout.block_size,
-                     allocated_blocks=n - int(self.c[L.C_NUM_FREE]),
+                     allocated_blocks=n - int(self.c[L.C_NUM_FREE]) - reserve.reserved_total(self),
                      attached=len(self.live_slots()))
             d["usage"] = d["allocated_blocks"] / n
         return d

@@ -81,7 +81,7 @@ import numpy as np
 from .errors import CorruptPoolError
 
 MAGIC = b"SHMCACH1"
-LAYOUT_VERSION = 6
+LAYOUT_VERSION = 7
 HEADER_SIZE = 4096
 COUNTERS_SIZE = 512
 MUTEX_OFF = 1024             # inside the header, past HEADER_DTYPE
@@ -160,7 +160,8 @@ SLOT_DTYPE = np.dtype([
     ("state", "<i4"),       # 0 free, 1 active
     ("loose_head", "<i4"),  # first chunk of this slot's loose references (-1: none)
     ("loose_count", "<i4"), # loose references held
-    ("_pad", "V28"),
+    ("reserved", "<i4"),    # of them, blocks in this slot's reserve (see STASH_MARK)
+    ("_pad", "V24"),
 ])
 
 BLOCK_DTYPE = np.dtype([
@@ -178,6 +179,35 @@ HASH_BYTES = 16
 FLAG_NULL = 1
 FLAG_CACHED = 2
 
+
+def stash_mark(slot: int) -> int:
+    """The ``prev`` of a block in ``slot``'s reserve (see below)."""
+    return -2 - slot
+
+
+def held_mark(slot: int, max_slots: int) -> int:
+    """The ``prev`` of a block allocated as a loose reference of ``slot``."""
+    return -2 - max_slots - slot
+
+
+def mark_slot(prev: int, max_slots: int):
+    """(slot, stashed) of a ``prev`` that is a mark, else None."""
+    if -2 - max_slots < prev <= -2:
+        return -2 - prev, True
+    if -2 - 2 * max_slots < prev <= -2 - max_slots:
+        return -2 - max_slots - prev, False
+    return None
+
+# A block's ``prev`` is a free-list link while it is free, and otherwise -1
+# or one of two marks of the slot s that holds it as a loose reference:
+#   held_mark(s) = -2 - max_slots - s: allocated as a loose reference of s,
+#       which still holds one (cleared when s drops its last);
+#   stash_mark(s) = -2 - s: in s's reserve: free to every reader (it counts
+#       in the slot's ``reserved`` and as a free block), but still held loose
+#       by s, whose next allocation takes it back without the pool lock.
+# Only the owner turns held into stash and back, and anyone who takes a
+# block out of a reserve turns stash into -1, each by compare-and-swap (the
+# owner does it without the pool lock; see docs/design.md, "Reserves").
 CHUNK_IDS = 15                # block ids per chunk
 CHUNK_WORDS = CHUNK_IDS + 1   # int32 words per chunk: the link, then the ids
 CHUNK_DTYPE = np.dtype([

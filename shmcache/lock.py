@@ -61,7 +61,8 @@ _P_NAMES = ("mutex_off", "counters_off",
             "tables_off", "table_size", "t_state", "t_head", "t_tail", "t_len", "t_tok",
             "max_tables", "c_num_tables", "hash_off", "hash_cap", "b_hash",
             "tindex_off", "tindex_cap", "t_rid", "rid_bytes", "t_rhash", "t_owner",
-            "c_hits", "c_misses", "c_evictions", "c_turn_next", "c_turn_now", "c_lock_wait_ns")
+            "c_hits", "c_misses", "c_evictions", "c_turn_next", "c_turn_now", "c_lock_wait_ns",
+            "s_reserved")
 
 
 def _params(**kw) -> tuple:
@@ -92,7 +93,7 @@ def hot_params(lay) -> tuple:
         t_rid=tf["request_id"][1], rid_bytes=L.RID_BYTES, t_rhash=tf["rid_hash"][1],
         t_owner=tf["owner"][1], c_hits=L.C_HITS, c_misses=L.C_MISSES,
         c_evictions=L.C_EVICTIONS, c_turn_next=L.C_TURN_NEXT, c_turn_now=L.C_TURN_NOW,
-        c_lock_wait_ns=L.C_LOCK_WAIT_NS)
+        c_lock_wait_ns=L.C_LOCK_WAIT_NS, s_reserved=sf["reserved"][1])
 
 
 def open_hot(mm, lay, created_at: float, accelerated: bool = ACCELERATED):

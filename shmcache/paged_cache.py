@@ -30,6 +30,7 @@ import weakref
 from typing import Dict, List, Optional
 
 from . import layout as L
+from . import reserve
 from .admin import AdminOps
 from .blocks import (BlockHash, BlockHashToBlockMap, BlockTable, CacheBlock, CacheStats,
                      FreeKVCacheBlockQueue, KVCacheBlock, compute_block_hash)
@@ -203,7 +204,7 @@ class PagedCacheManager(TableOps, PrefixOps, KVOps, AdminOps):
                 return False
             if b == 0:
                 return False
-            if not self._refs.holds_loose(b):
+            if not self._loose_held(b):
                 raise ValueError(f"double free of block {b}: this manager holds no reference "
                                  "to it outside its block tables")
             return free_loose(self, (b,)) == 1
@@ -222,8 +223,7 @@ class PagedCacheManager(TableOps, PrefixOps, KVOps, AdminOps):
                 return
         with p.lock:
             self._sync()
-            loose = self._refs.loose
-            if len(set(ids)) != len(ids) or not all(loose.count(b) for b in ids):
+            if len(set(ids)) != len(ids) or not all(self._loose_held(b) for b in ids):
                 self._check_batch_free(ids)
             free_loose(self, ids)
 
@@ -234,7 +234,7 @@ class PagedCacheManager(TableOps, PrefixOps, KVOps, AdminOps):
                 raise ValueError("cannot free the null block (block 0)")
             need[b] = need.get(b, 0) + 1
         for b, k in need.items():
-            held = self._refs.loose.count(b)
+            held = self._loose_held(b)
             if held < k:
                 raise ValueError(f"double free of block {b}: freed {k} times, this manager "
                                  f"holds {held} loose references")
@@ -300,8 +300,44 @@ class PagedCacheManager(TableOps, PrefixOps, KVOps, AdminOps):
     # of the manager, is checked on the class's own namespace)
     @property
     def free_blocks(self) -> int:
-        """Number of free blocks."""
-        return self._p.c[L.C_NUM_FREE]
+        """Number of free blocks (those in reserves too, see ``set_reserve``)."""
+        return self._p.c[L.C_NUM_FREE] + reserve.reserved_total(self._p)
+
+    def set_reserve(self, n: int) -> None:
+        """Keep up to ``n`` blocks this manager frees for its own next
+        allocations (0, the default: none).
+
+        ``free_block_batch``/``free_block`` of blocks this manager allocated
+        and holds alone (no tokens, not cached) put them in its reserve, and
+        ``get_new_blocks``/``allocate_block`` take them back, both without the
+        pool lock, so these calls scale with the number of processes.
+        Reserved blocks count as free (``free_blocks``, ``usage``,
+        ``get_stats``), and a process whose allocation finds the free list
+        short takes them, so a reserve never makes an allocation fail. A
+        process that exits or dies frees its reserve with its other
+        references. Without the C accelerator (``SHMCACHE_PURE=1``) this
+        does nothing.
+
+        Raises:
+            ValueError: ``n`` is not an int in [0, 1048576].
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 1 << 20:
+            raise ValueError(f"reserve must be an int in [0, 1048576], got {n!r}")
+        p = self._p
+        set_res = getattr(p.native, "set_reserve", None)
+        if set_res is None:
+            return
+        dropped = set_res(n)
+        if dropped:
+            with p.lock:
+                self._sync()
+                reserve.drain_own(self, dropped)
+
+    @property
+    def reserve_size(self) -> int:
+        """Blocks now in this manager's reserve."""
+        p = self._p
+        return int(p.slots["reserved"][p.slot]) if p.slot >= 0 else 0
 
     @property
     def usage(self) -> float:

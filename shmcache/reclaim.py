@@ -51,9 +51,13 @@ def release_slot_holdings(p, refs: RefStore, slot: int) -> int:
     """
     fq = SharedFreeQueue(p)
     n = 0
+    marks = (L.held_mark(slot, p.layout.max_slots), L.stash_mark(slot))
     for b in refs.pop_slot_loose(slot):
+        if p.b_prev[b] in marks:
+            p.b_prev[b] = -1        # its reserve too: reserved blocks are loose references
         release_block(p, fq, b)
         n += 1
+    p.slots["reserved"][slot] = 0
     owned = np.flatnonzero((p.tables["state"] == 1) & (p.tables["owner"] == slot)).tolist()
     for t in owned:
         unlink_table(p, t)

@@ -16,6 +16,7 @@ import numpy as np
 from . import layout as L
 from .errors import CorruptPoolError
 from .index import OpenIndex
+from . import reserve
 
 CI, CW = L.CHUNK_IDS, L.CHUNK_WORDS
 
@@ -204,9 +205,18 @@ def check(p) -> list:
     listed_held = np.flatnonzero((refc != 0) & in_list)
     if listed_held.size:
         out.append(f"blocks {listed_held[:10].tolist()} are in the free list but referenced")
-    off_list = np.flatnonzero(~in_list & ((b["prev"][:n] != -1) | (b["next"][:n] != -1)))
+    marked = reserve.valid_marks(p, owners)
+    off_list = np.flatnonzero(~in_list & ~marked & ((b["prev"][:n] != -1) | (b["next"][:n] != -1)))
     if off_list.size:
-        out.append(f"blocks {off_list[:10].tolist()} are out of the free list but keep links")
+        out.append(f"blocks {off_list[:10].tolist()} are out of the free list but keep links "
+                   "(or a mark of a slot that does not hold them loose)")
+    ms = lay.max_slots
+    for s in np.flatnonzero(p.slots["state"] == 1).tolist():
+        if p.slots["reserved"][s] < 0:
+            out.append(f"slot {s}: reserved {p.slots['reserved'][s]} is negative")
+    stashed = marked & (b["prev"][:n] > -2 - ms) & (b["prev"][:n] <= -2)
+    if (stashed & (refc < 1)).any():
+        out.append("a block in a reserve has no reference")
     # prefix index
     cached = set(np.flatnonzero(flags & L.FLAG_CACHED).tolist())
     entries = [int(e) for e in p.hidx if e >= 0]
@@ -326,8 +336,16 @@ def repair(p) -> None:
     cached = (flags[ids] & L.FLAG_CACHED) != 0
     order = np.concatenate([ids[~cached],
                             ids[cached][np.argsort(b["last_access"][ids[cached]], kind="stable")]])
-    b["prev"][:n] = -1
+    # (the marks of reserves stay: their owners change them without the lock,
+    # each by compare-and-swap from one mark to the other, so only a wrong
+    # one is written)
+    keep = reserve.valid_marks(p, owners)
+    clear = np.flatnonzero(~keep & (b["prev"][:n] != -1))
+    b["prev"][clear] = -1
     b["next"][:n] = -1
+    pv = b["prev"][:n].astype(np.int64)
+    in_res = (pv <= -2) & (pv > -2 - lay.max_slots)
+    p.slots["reserved"][:] = np.bincount(-2 - pv[in_res], minlength=lay.max_slots)[:lay.max_slots]
     chain = np.concatenate([[p.HEAD], order, [p.TAIL]]).astype(np.int32)
     b["next"][chain[:-1]] = chain[1:]
     b["prev"][chain[1:]] = chain[:-1]
@@ -359,8 +377,8 @@ def scan_stats(p) -> dict:
     live_s = p.slots["state"] == 1
     return {
         "total_blocks": n,
-        "allocated_blocks": int(alloc.sum()),
-        "free_blocks": int(p.c[L.C_NUM_FREE]),
+        "allocated_blocks": int(alloc.sum()) - reserve.reserved_total(p),
+        "free_blocks": int(p.c[L.C_NUM_FREE]) + reserve.reserved_total(p),
         "shared_blocks": int((refc[1:] > 1).sum()),
         "total_tokens_cached": int(p.c[L.C_TOKENS]),
         "tokens_held": int(b["token_count"][1:n][alloc[1:]].sum(dtype=np.int64)),

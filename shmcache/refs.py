@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from .blocks import chain_hash
 from .chunks import CI, CW, ChunkArea, chunks_for
-from .layout import C_NUM_TABLES, RID_BYTES
+from .layout import C_NUM_TABLES, RID_BYTES, held_mark
 from .loosemap import LooseMap
 
 
@@ -169,6 +169,28 @@ class RefStore(ChunkArea):
         if (cnt - 1) % CI == 0:
             p.s_head[s] = nh
             self._free_chunk(h)
+        if not lm.count(block_id) and p.b_prev[block_id] == held_mark(s, p.layout.max_slots):
+            p.b_prev[block_id] = -1      # the slot's last loose reference to it
+
+    def drop_slot_ids(self, slot: int, ids) -> None:
+        """Drop one loose reference of another slot to each of ``ids`` (lock
+        held; that slot's owner re-reads its list: the caller bumps the epoch)."""
+        p = self.p
+        w = p.kw
+        for b in ids:
+            words = self.slot_words(slot)
+            g = next((g for g in words if w[g] == b), None)
+            if g is None:
+                raise p.corrupt(f"slot {slot}'s loose list does not hold block {b}")
+            cnt = p.s_count[slot]
+            h = words[0] // CW
+            last = words[(cnt - 1) % CI]
+            nh = w[h * CW]
+            w[g] = w[last]               # the newest id into g, then the newest dropped
+            p.s_count[slot] = cnt - 1    # commit
+            if (cnt - 1) % CI == 0:
+                p.s_head[slot] = nh if cnt > 1 else -1
+                self._free_chunk(h)
 
     def pop_slot_loose(self, slot: int) -> list:
         """Empty a whole slot's loose list; return its block ids."""

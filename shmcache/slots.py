@@ -105,6 +105,7 @@ class SlotOps:
                 sl["attached_at"] = time.time()
                 sl["loose_head"] = -1
                 sl["loose_count"] = 0
+                sl["reserved"] = 0
                 sl["state"] = 1
                 self.slot = self.lock.slot = int(s)
                 return

@@ -1,5 +1,5 @@
 """tools.bench_scale: a short real run (processes attached by name) gives
-every figure, for both mixes, and leaves no pool behind."""
+every figure, for every mix, and leaves no pool behind."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ def test_bench_scale_reports_both_mixes(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(out.read_text())
     assert [(x["mix"], x["processes"]) for x in rows] == [
-        ("batched", 1), ("batched", 2), ("serving", 1), ("serving", 2)]
+        ("batched", 1), ("batched", 2), ("reserved", 1), ("reserved", 2), ("serving", 1),
+        ("serving", 2)]
     assert all(x["ops_per_s"] > 0 and x["violations"] == 0 for x in rows)
     assert "| batched | 2 |" in r.stdout and "python -m tools.bench_scale" in r.stdout
     assert not [n for n in set(segment.list_names()) - before if n.startswith("bscale-")]

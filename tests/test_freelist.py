@@ -37,7 +37,9 @@ def walk(mgr) -> list:
             assert p.b_ref[b] == 0
         else:
             assert p.b_ref[b] > 0
-            assert p.b_prev[b] == -1 and p.b_next[b] == -1
+            # (or its allocator's mark: layout.held_mark, a loose reference)
+            assert p.b_prev[b] in (-1, L.held_mark(p.slot, p.layout.max_slots))
+            assert p.b_next[b] == -1
     assert 0 not in fwd
     assert mgr.free_block_queue.ids() == fwd
     return fwd

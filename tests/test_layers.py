@@ -30,7 +30,7 @@ LAYERS = [
      "platform layout blas blas_elf blas_find blas_load"),
     ("segment file, pool lock", "segment lock"),
     ("shared structures", "blocks freelist index chunks refs slots"),
-    ("one mapped pool, recovery, reclaim", "pool recovery reclaim"),
+    ("one mapped pool, recovery, reclaim, reserves", "pool recovery reclaim reserve"),
     ("manager primitives, K/V arena, live views", "core fastpath kv views"),
     ("manager mixins, seed containers", "tables prefix kv_ops admin seed_views"),
     ("the manager", "paged_cache"),

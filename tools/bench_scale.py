@@ -12,6 +12,8 @@ a serving op takes the lock 13 times, a batched op twice).
 Mixes (block size 16):
 
 * ``batched``: ``get_new_blocks(16)`` + ``free_block_batch`` of them.
+* ``reserved``: the same, each process with a reserve of 64 blocks
+  (``set_reserve(64)``: its frees and allocations skip the pool lock).
 * ``serving``: one request's life: create a table; ``acquire_computed_blocks``
   on a shared 32-block system prompt plus about 4 blocks of its own (added to
   the table); ``prepare_append`` for the rest, then ``cache_full_blocks``;
@@ -44,6 +46,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BS = 16
 SYSTEM_BLOCKS = 32
+RESERVE = 64            # the reserved mix's reserve per process
+MIXES = ("batched", "reserved", "serving", "control")
 # the serving mix's steps, as --steps times them
 STEPS = ("tokens", "create", "acquire", "prepare", "publish", "append x8", "delete")
 
@@ -106,7 +110,9 @@ def worker(name: str, mix: str, start_at: float, seconds: float, seed: int, out:
         time.sleep(0.0005)
     end = start_at + seconds
     took = None                                 # (the serving mix's steps, --steps)
-    if mix == "batched":
+    if mix in ("batched", "reserved"):
+        if mix == "reserved":
+            mgr.set_reserve(RESERVE)
         while time.time() < end:
             for _ in range(64):
                 mgr.free_block_batch(mgr.get_new_blocks(16))
@@ -234,8 +240,9 @@ def main(argv=None) -> int:
     ap.add_argument("--processes", default=f"1,2,{os.cpu_count() or 2}",
                     help="comma-separated process counts (default 1,2,<CPUs>)")
     ap.add_argument("--seconds", type=float, default=4.0, help="run time per point (default 4)")
-    ap.add_argument("--mix", default="batched,serving",
-                    help="comma-separated mixes: batched, serving, control (default batched,serving)")
+    ap.add_argument("--mix", default="batched,reserved,serving",
+                    help="comma-separated mixes: batched, reserved, serving, control (default "
+                         "batched,reserved,serving)")
     ap.add_argument("--max-blocks", type=int, default=65536)
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--repeat", type=int, default=1,
@@ -257,7 +264,7 @@ def main(argv=None) -> int:
         ap.error("--processes: counts must be at least 1")
     mixes = args.mix.split(",")
     for mix in mixes:
-        if mix not in ("batched", "serving", "control"):
+        if mix not in MIXES:
             ap.error(f"--mix: unknown mix {mix!r}")
     if args.repeat < 1:
         ap.error("--repeat: must be at least 1")

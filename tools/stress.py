@@ -71,7 +71,8 @@ def spawn(args, name, demand, rng, tmp, children) -> None:
     path = os.path.join(tmp, f"w{len(children)}.json")
     cmd = [sys.executable, "-m", "tools.stress", "--worker", name, "--result", path,
            "--demand", str(demand), "--seed", str(rng.randrange(2**31)),
-           "--prompt-seed", str(args.seed), "--parent", str(os.getpid())]
+           "--prompt-seed", str(args.seed), "--parent", str(os.getpid()),
+           "--reserve", str(args.reserve)]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     children.append(Child(subprocess.Popen(cmd, cwd=ROOT, env=env), path))
 
@@ -289,6 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", metavar="PATH", help="write the report there")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--name", help="pool name (default stress-<pid>)")
+    ap.add_argument("--reserve", type=int, default=0, metavar="N",
+                    help="each worker keeps a reserve of N freed blocks (set_reserve; default 0)")
     for a in ("--worker", "--result", "--demand", "--prompt-seed", "--parent"):
         ap.add_argument(a, help=argparse.SUPPRESS,
                         type=str if a in ("--worker", "--result") else int)
@@ -299,8 +302,10 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.worker:
         return worker_main(args)
-    if args.processes < 1 or args.seconds <= 0 or args.overcommit <= 0 or args.kill_every < 0:
-        print("stress: --processes, --seconds and --overcommit must be positive", file=sys.stderr)
+    if (args.processes < 1 or args.seconds <= 0 or args.overcommit <= 0 or args.kill_every < 0
+            or args.reserve < 0):
+        print("stress: --processes, --seconds and --overcommit must be positive, --reserve "
+              "not negative", file=sys.stderr)
         return 2
     return parent_main(args)
 

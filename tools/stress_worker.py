@@ -47,6 +47,8 @@ class Worker(Workload):
             m = shmcache.attach(args.worker)
         except CapacityError:
             sys.exit(EXIT_ATTACH_FULL)
+        if args.reserve:
+            m.set_reserve(args.reserve)
         super().__init__(m, args.seed, args.demand, prompt_seed=args.prompt_seed,
                          convert=_to_mx)
         self.result_path = args.result

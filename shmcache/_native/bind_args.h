@@ -23,6 +23,7 @@
 #include "hot_params.h"
 #include "hot_localmap.h"
 #include "hot_enter.h"
+#include "hot_reserve.h"
 
 #include <time.h>
 
@@ -41,6 +42,12 @@ struct Hot {
     // counts them with the slow path's)
     bool log_waits = false;
     std::vector<int64_t> waits;
+    // this process's reserve (hot_reserve.h): the ids it put in, and how
+    // many it may hold (0: no reserve)
+    std::vector<int32_t> stash;
+    int64_t stash_n = 0;
+
+    Stash stash_view() { return Stash{stash.data(), stash_n, (int64_t)stash.size()}; }
 
     Hot() = default;
     Hot(const Hot &) = delete;

@@ -17,6 +17,8 @@
 //                   (loosemap.py's int32 array, shared with numpy);
 //   hot_loose.h     alloc() and free(): fused, they take the lock themselves
 //                   and only ever try it (None: the slow path runs);
+//   hot_reserve.h   the process's reserve of free blocks, which alloc() and
+//                   free() take from and fill first, without the lock;
 //   hot_tables.h    table_new(), table_drop(), and the checks of the table
 //                   ops, which run inside a lock hold the Python caller took;
 //   hot_append.h    table_take(), table_append(): a table's list grows;
@@ -42,6 +44,7 @@
 #include "hot_enter.h"
 #include "hot_mutex.h"
 #include "hot_loose.h"
+#include "hot_reserve.h"
 #include "hot_tables.h"
 #include "hot_append.h"
 #include "hot_index.h"
@@ -156,7 +159,14 @@ nb::object hot_alloc_py(Hot &self, nb::handle n_, nb::handle slot_, nb::handle e
     LMap lm;
     open_map(h, lv, &lm);
     Ids<64> ids(n);
-    int64_t r = retried(self, [&] { return (int64_t)hot_alloc(h, n, slot, epoch, &lm, ids.p); });
+    int64_t r = 0;
+    if (self.stash_n >= n) {
+        Stash st = self.stash_view();
+        r = hot_stash_take(h, n, slot, &st, ids.p);
+        self.stash_n = st.n;
+    }
+    if (r != n)
+        r = retried(self, [&] { return (int64_t)hot_alloc(h, n, slot, epoch, &lm, ids.p); });
     if (r == HOT_NOMEM)
         raise_no_memory();
     if (r <= 0)                             // (0, or HOT_BUSY still)
@@ -203,12 +213,45 @@ nb::object hot_free_py(Hot &self, nb::handle seq, nb::handle slot_, nb::handle e
     Ids<64> bs(n);
     if (!read_ids(h, fast.ptr(), bs.p, n))
         return nb::none();
+    if (self.stash_n + n > (int64_t)self.stash.size() && n <= (int64_t)self.stash.size()) {
+        Stash st = self.stash_view();
+        stash_compact(h, slot, &st);
+        self.stash_n = st.n;
+    }
+    if (self.stash_n + n <= (int64_t)self.stash.size()) {
+        Stash st = self.stash_view();
+        int64_t k = hot_stash_put(h, bs.p, n, slot, &st);
+        self.stash_n = st.n;
+        if (k == n)
+            return int_result(n);
+    }
     int64_t r = retried(self, [&] { return (int64_t)hot_free(h, bs.p, n, slot, epoch, &lm); });
     if (r == HOT_NOMEM)
         raise_no_memory();
     if (r < 0)
         return nb::none();
     return int_result(r);
+}
+
+// set_reserve(cap) -> the ids this process's reserve list drops (beyond
+// cap, the oldest first): still in the slot's reserve, for the caller to
+// take out under the lock (reserve.py).
+nb::object hot_set_reserve_py(Hot &self, nb::handle cap_) {
+    Py_ssize_t cap = as_n(cap_);
+    if (cap < 0 || cap > (1 << 20))
+        throw nb::value_error("a reserve holds 0 to 1048576 blocks");
+    ready(self);
+    int64_t drop = self.stash_n > cap ? self.stash_n - cap : 0;
+    PyObject *list = PyList_New(drop);
+    if (!list)
+        throw_error();
+    for (int64_t i = 0; i < drop; i++)
+        PyList_SET_ITEM(list, i, PyLong_FromLong(self.stash[i]));
+    for (int64_t i = drop; i < self.stash_n; i++)
+        self.stash[i - drop] = self.stash[i];
+    self.stash_n -= drop;
+    self.stash.resize(cap);
+    return nb::steal(list);
 }
 
 }  // namespace
@@ -243,6 +286,22 @@ NB_MODULE(_hot, m) {
              "(holds, ns held) since the last call, while log_holds is on.")
         .def("take_waits", [](Hot &self) { std::vector<int64_t> w; w.swap(self.waits); return w; },
              "The recorded waits (ns), emptied.")
+        .def("set_reserve", &hot_set_reserve_py,
+             "set_reserve(cap) -> ids dropped from this process's reserve list (the caller "
+             "takes them out of the reserve).")
+        .def("reserve", [](Hot &self) {
+                 ready(self);
+                 return std::vector<int32_t>(self.stash.begin(), self.stash.begin() + self.stash_n);
+             },
+             "The ids this process put in its reserve, newest last (some may have been "
+             "taken out by others).")
+        .def("unstash", [](Hot &self, nb::handle b_, nb::handle slot_) {
+                 HotCore *h = ready(self);
+                 Py_ssize_t b = as_n(b_);
+                 return hot_is_block(h, b) && hot_unstash(h, (int32_t)b, as_i(slot_)) == 1;
+             },
+             "unstash(block, slot) -> whether it was taken out of slot's reserve (lock held "
+             "by the caller, who then drops slot's reference).")
         .def("alloc", &hot_alloc_py, "alloc(n, slot, epoch, loose) -> ids or None.")
         .def("free", &hot_free_py, "free(ids, slot, epoch, loose) -> freed or None.")
         .def("table_new", &hot_table_new_py,

@@ -134,7 +134,7 @@ hot_alloc(HotCore *h, int64_t n, int slot, long long epoch, LMap *lm, int32_t *i
             int64_t g;
             if (FLAGS(h, bb) & CACHED)
                 hot_evict(h, bb);
-            PREV(h, bb) = -1;
+            PREV(h, bb) = HELD_MARK(h, slot);   /* allocated loose by slot */
             NEXT(h, bb) = -1;
             REF(h, bb) = 1;
             TOK(h, bb) = 0;
@@ -207,8 +207,8 @@ hot_free(HotCore *h, const int32_t *bs, int64_t n, int slot, long long epoch, LM
     if (n == 0)
         return 0;
     for (i = 0; i < n; i++)
-        if (!IS_BLOCK(h, bs[i]))
-            return HOT_SLOW;
+        if (!IS_BLOCK(h, bs[i]) || PREV(h, bs[i]) == STASH_MARK(slot))
+            return HOT_SLOW;    /* (in this slot's reserve: freed already) */
     if (n > 64) {
         sorted = (int32_t *)malloc(n * sizeof(int32_t));
         if (!sorted)
@@ -278,6 +278,8 @@ hot_free(HotCore *h, const int32_t *bs, int64_t n, int slot, long long epoch, LM
                 lm_move(lm, bl, last, g);
             }
             SF(h, slot, P_S_COUNT) = cnt - 1;   /* commit: b's reference is gone */
+            if (lm->count[b] == 0 && PREV(h, b) == HELD_MARK(h, slot))
+                PREV(h, b) = -1;                /* the slot's last loose reference */
             if (empty) {                        /* the first chunk is empty: free it */
                 SF(h, slot, P_S_HEAD) = nh;
                 W(h, (int64_t)hd * CW + 1) = -1;

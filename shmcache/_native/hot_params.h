@@ -42,6 +42,7 @@ enum {
     P_MAX_TABLES, P_C_NUM_TABLES, P_HASH_OFF, P_HASH_CAP, P_B_HASH,
     P_TINDEX_OFF, P_TINDEX_CAP, P_T_RID, P_RID_BYTES, P_T_RHASH, P_T_OWNER,
     P_C_HITS, P_C_MISSES, P_C_EVICTIONS, P_C_TURN_NEXT, P_C_TURN_NOW, P_C_LOCK_WAIT_NS,
+    P_S_RESERVED,
     P_COUNT
 };
 
@@ -97,6 +98,11 @@ typedef struct {
 #define GEN(h, b) (*(uint32_t *)((h)->base + (h)->p[P_BLOCKS_OFF] + \
                                   (int64_t)(b) * (h)->p[P_BLOCK_SIZE] + (h)->gen_off))
 #define NCH_FOR(n) (((n) + CI - 1) / CI)
+
+/* The marks a block's prev carries while slot s holds it as a loose
+ * reference (layout.py): allocated loose (held), or in s's reserve (stash). */
+#define STASH_MARK(s) (-2 - (int32_t)(s))
+#define HELD_MARK(h, s) (-2 - (int32_t)(h)->p[P_MAX_SLOTS] - (int32_t)(s))
 
 /* Put block b, whose last reference is gone, on the free list (lock held,
  * b unlinked): a cached block at the back, evicted last; an uncached one at
@@ -165,6 +171,8 @@ hot_open(HotCore *h, void *buf, int64_t len, const int64_t *params, double creat
          p[P_BLOCKS_OFF] + (p[P_MAX_BLOCKS] + 2) * p[P_BLOCK_SIZE] > len ||
          p[P_SLOTS_OFF] + p[P_MAX_SLOTS] * p[P_SLOT_SIZE] > len))
         return "buffer too small for the pool's blocks and slots";
+    if (p[P_MAX_SLOTS] > 0 && (p[P_S_RESERVED] < 0 || p[P_S_RESERVED] + 4 > p[P_SLOT_SIZE]))
+        return "a slot's reserve count lies outside its record";
     /* find_chain indexes the prefix index (a power of two of int32 slots) */
     if (p[P_HASH_CAP] > 0 &&
         ((p[P_HASH_CAP] & (p[P_HASH_CAP] - 1)) || p[P_HASH_OFF] < 0 ||

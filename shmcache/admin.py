@@ -142,5 +142,7 @@ class AdminOps(PoolOps):
                             "start_time": float(p.slots["start_time"][s]),
                             "alive": p.slot_alive(s), "tables": len(tabs),
                             "table_blocks": int(sum(p.t_len[t] for t in tabs)),
-                            "loose_blocks": int(p.s_count[s])})
+                            # (a reserve's blocks are loose references, but free)
+                            "loose_blocks": int(p.s_count[s]) - max(0, int(p.slots["reserved"][s])),
+                            "reserved_blocks": max(0, int(p.slots["reserved"][s]))})
             return out

@@ -137,11 +137,12 @@ def render(d: dict) -> str:
         lines.append("holders   none attached")
     else:
         lines.append(f"holders   {'slot':>4}  {'pid':>8}  {'alive':5}  {'tables':>6}  "
-                     f"{'table blocks':>12}  {'loose blocks':>12}")
+                     f"{'table blocks':>12}  {'loose blocks':>12}  {'reserved':>8}")
         for h in hs:
             lines.append(f"          {h['slot']:>4}  {h['pid']:>8}  "
                          f"{'yes' if h['alive'] else 'DEAD':5}  {h['tables']:>6}  "
-                         f"{h['table_blocks']:>12}  {h['loose_blocks']:>12}")
+                         f"{h['table_blocks']:>12}  {h['loose_blocks']:>12}  "
+                         f"{h.get('reserved_blocks', 0):>8}")
     return "\n".join(lines)
 
 

@@ -170,7 +170,9 @@ class PoolView:
                         "start_time": float(self.slots["start_time"][s]),
                         "alive": self.slot_alive(s), "tables": int(mine.size),
                         "table_blocks": int(t["length"][mine].sum()),
-                        "loose_blocks": int(self.slots["loose_count"][s])})
+                        "loose_blocks": int(self.slots["loose_count"][s])
+                                        - max(0, int(self.slots["reserved"][s])),
+                        "reserved_blocks": max(0, int(self.slots["reserved"][s]))})
         return out
 
     def snapshot(self) -> dict:
@@ -236,8 +238,9 @@ class PoolView:
             holders.append({"slot": s, "pid": int(snap.slots["pid"][s]),
                             "alive": self.slot_alive(s), "tables": int(mine.size),
                             "table_blocks": int(t["length"][mine].sum()),
-                            "loose_blocks": int(snap.slots["loose_count"][s]),
-                            "reserved_blocks": int(snap.slots["reserved"][s])})
+                            "loose_blocks": int(snap.slots["loose_count"][s])
+                                            - max(0, int(snap.slots["reserved"][s])),
+                            "reserved_blocks": max(0, int(snap.slots["reserved"][s]))})
         return {"problems": problems, "dirty": bool(snap.c[L.C_DIRTY]), "stable": stable,
                 "stats": recovery.scan_stats(snap), "tables": int(snap.c[L.C_NUM_TABLES]),
                 "holders": holders}

@@ -375,10 +375,12 @@ def scan_stats(p) -> dict:
     alloc = refc > 0
     live_t = p.tables["state"] == 1
     live_s = p.slots["state"] == 1
+    # (read once: reserves change without the lock, and both figures count them)
+    reserved = reserve.reserved_total(p)
     return {
         "total_blocks": n,
-        "allocated_blocks": int(alloc.sum()) - reserve.reserved_total(p),
-        "free_blocks": int(p.c[L.C_NUM_FREE]) + reserve.reserved_total(p),
+        "allocated_blocks": int(alloc.sum()) - reserved,
+        "free_blocks": int(p.c[L.C_NUM_FREE]) + reserved,
         "shared_blocks": int((refc[1:] > 1).sum()),
         "total_tokens_cached": int(p.c[L.C_TOKENS]),
         "tokens_held": int(b["token_count"][1:n][alloc[1:]].sum(dtype=np.int64)),

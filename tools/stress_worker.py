@@ -47,7 +47,7 @@ class Worker(Workload):
             m = shmcache.attach(args.worker)
         except CapacityError:
             sys.exit(EXIT_ATTACH_FULL)
-        if args.reserve:
+        if getattr(args, "reserve", 0):      # (tests build args without it)
             m.set_reserve(args.reserve)
         super().__init__(m, args.seed, args.demand, prompt_seed=args.prompt_seed,
                          convert=_to_mx)

@@ -33,11 +33,6 @@ class PoolOps:
             raise ValueError(f"block id {b} out of range [0, {self.max_blocks})")
         return b
 
-    def _loose_held(self, b: int) -> int:
-        # loose references held, less the one of a block in this reserve (freed)
-        p = self._p
-        return self._refs.loose.count(b) - int(p.b_prev[b] == L.stash_mark(p.slot))
-
     def _bids(self, blocks) -> list:
         out = []
         n = self.max_blocks

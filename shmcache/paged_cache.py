@@ -303,6 +303,11 @@ class PagedCacheManager(TableOps, PrefixOps, KVOps, AdminOps):
         """Number of free blocks (those in reserves too, see ``set_reserve``)."""
         return self._p.c[L.C_NUM_FREE] + reserve.reserved_total(self._p)
 
+    def _loose_held(self, b: int) -> int:
+        # loose references held, less the one of a block in this reserve (freed)
+        p = self._p
+        return self._refs.loose.count(b) - int(p.b_prev[b] == L.stash_mark(p.slot))
+
     def set_reserve(self, n: int) -> None:
         """Keep up to ``n`` blocks this manager frees for its own next
         allocations (0, the default: none).

@@ -138,11 +138,11 @@ class AdminOps(PoolOps):
             out = []
             for s in np.flatnonzero(p.slots["state"] == 1).tolist():
                 tabs = np.flatnonzero((p.tables["state"] == 1) & (p.tables["owner"] == s)).tolist()
+                # (a reserve's blocks are loose references, but free)
+                res = max(0, int(p.slots["reserved"][s]))
                 out.append({"slot": s, "pid": int(p.slots["pid"][s]),
                             "start_time": float(p.slots["start_time"][s]),
                             "alive": p.slot_alive(s), "tables": len(tabs),
                             "table_blocks": int(sum(p.t_len[t] for t in tabs)),
-                            # (a reserve's blocks are loose references, but free)
-                            "loose_blocks": int(p.s_count[s]) - max(0, int(p.slots["reserved"][s])),
-                            "reserved_blocks": max(0, int(p.slots["reserved"][s]))})
+                            "loose_blocks": int(p.s_count[s]) - res, "reserved_blocks": res})
             return out

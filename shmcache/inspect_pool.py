@@ -47,6 +47,12 @@ def process_alive(pid: int, start_time: float) -> bool:
     return start_time <= 0 or abs(ct - start_time) < 0.05
 
 
+def _loose_and_reserved(slots, s: int) -> dict:
+    # (a reserve's blocks are loose references, but free)
+    res = max(0, int(slots["reserved"][s]))
+    return {"loose_blocks": int(slots["loose_count"][s]) - res, "reserved_blocks": res}
+
+
 class PoolView:
     """Read-only view of the pool ``name``.
 
@@ -170,9 +176,7 @@ class PoolView:
                         "start_time": float(self.slots["start_time"][s]),
                         "alive": self.slot_alive(s), "tables": int(mine.size),
                         "table_blocks": int(t["length"][mine].sum()),
-                        "loose_blocks": int(self.slots["loose_count"][s])
-                                        - max(0, int(self.slots["reserved"][s])),
-                        "reserved_blocks": max(0, int(self.slots["reserved"][s]))})
+                        **_loose_and_reserved(self.slots, s)})
         return out
 
     def snapshot(self) -> dict:
@@ -238,9 +242,7 @@ class PoolView:
             holders.append({"slot": s, "pid": int(snap.slots["pid"][s]),
                             "alive": self.slot_alive(s), "tables": int(mine.size),
                             "table_blocks": int(t["length"][mine].sum()),
-                            "loose_blocks": int(snap.slots["loose_count"][s])
-                                            - max(0, int(snap.slots["reserved"][s])),
-                            "reserved_blocks": max(0, int(snap.slots["reserved"][s]))})
+                            **_loose_and_reserved(snap.slots, s)})
         return {"problems": problems, "dirty": bool(snap.c[L.C_DIRTY]), "stable": stable,
                 "stats": recovery.scan_stats(snap), "tables": int(snap.c[L.C_NUM_TABLES]),
                 "holders": holders}

@@ -289,12 +289,6 @@ NB_MODULE(_hot, m) {
         .def("set_reserve", &hot_set_reserve_py,
              "set_reserve(cap) -> ids dropped from this process's reserve list (the caller "
              "takes them out of the reserve).")
-        .def("reserve", [](Hot &self) {
-                 ready(self);
-                 return std::vector<int32_t>(self.stash.begin(), self.stash.begin() + self.stash_n);
-             },
-             "The ids this process put in its reserve, newest last (some may have been "
-             "taken out by others).")
         .def("unstash", [](Hot &self, nb::handle b_, nb::handle slot_) {
                  HotCore *h = ready(self);
                  Py_ssize_t b = as_n(b_);

@@ -157,18 +157,11 @@ class RefStore(ChunkArea):
             if not lm.has_word(bl, last):
                 raise p.corrupt(f"slot {s}'s newest loose id (word {last}, block {bl}) is not "
                                 "among the references this manager holds")
-        nh = w[h * CW]
-        if (cnt - 1) % CI == 0 and not (nh == -1 if cnt == 1 else 0 <= nh < p.layout.num_chunks):
-            raise p.corrupt(f"slot {s}'s loose list: chunk {h} links to {nh}")
+        nh = self._head_link(s, h, cnt)
         lm.pop(block_id)
         if bl is not None:
-            # Move the newest id into g, then drop the newest: O(1) removal.
-            w[g] = bl
             lm.move(bl, last, g)
-        p.s_count[s] = cnt - 1
-        if (cnt - 1) % CI == 0:
-            p.s_head[s] = nh
-            self._free_chunk(h)
+        self._drop_word(s, g, h, cnt, nh)
         if not lm.count(block_id) and p.b_prev[block_id] == held_mark(s, p.layout.max_slots):
             p.b_prev[block_id] = -1      # the slot's last loose reference to it
 
@@ -182,15 +175,28 @@ class RefStore(ChunkArea):
             g = next((g for g in words if w[g] == b), None)
             if g is None:
                 raise p.corrupt(f"slot {slot}'s loose list does not hold block {b}")
-            cnt = p.s_count[slot]
-            h = words[0] // CW
-            last = words[(cnt - 1) % CI]
-            nh = w[h * CW]
-            w[g] = w[last]               # the newest id into g, then the newest dropped
-            p.s_count[slot] = cnt - 1    # commit
-            if (cnt - 1) % CI == 0:
-                p.s_head[slot] = nh if cnt > 1 else -1
-                self._free_chunk(h)
+            cnt, h = p.s_count[slot], words[0] // CW
+            self._drop_word(slot, g, h, cnt, self._head_link(slot, h, cnt))
+
+    def _head_link(self, s: int, h: int, cnt: int) -> int:
+        """The link of slot ``s``'s head chunk ``h`` (``cnt`` ids), checked
+        where dropping one id empties that chunk."""
+        p = self.p
+        nh = p.kw[h * CW]
+        if (cnt - 1) % CI == 0 and not (nh == -1 if cnt == 1 else 0 <= nh < p.layout.num_chunks):
+            raise p.corrupt(f"slot {s}'s loose list: chunk {h} links to {nh}")
+        return nh
+
+    def _drop_word(self, s: int, g: int, h: int, cnt: int, nh: int) -> None:
+        """Drop word ``g`` of slot ``s``'s loose list (head chunk ``h``,
+        ``cnt`` ids, ``nh`` from ``_head_link``): O(1), the newest id moves
+        into ``g``, and an emptied head chunk is freed."""
+        p = self.p
+        p.kw[g] = p.kw[h * CW + 1 + (cnt - 1) % CI]
+        p.s_count[s] = cnt - 1       # commit
+        if (cnt - 1) % CI == 0:
+            p.s_head[s] = nh
+            self._free_chunk(h)
 
     def pop_slot_loose(self, slot: int) -> list:
         """Empty a whole slot's loose list; return its block ids."""

@@ -144,6 +144,8 @@ class PoolLock:
         self.check_usable = None    # raises once the owner is closed or forked
         self.unusable = False       # set with it, so the hot path tests a flag
         self.wait_log = None        # a list to append each slow-path wait (ns) to
+        self.trace = False          # trace each hold in the native trace (bench_scale --trace)
+        self._asked = self._locked = 0
 
     def __enter__(self):
         self._tlock.acquire()
@@ -155,8 +157,12 @@ class PoolLock:
                 # before the mutex: a closed manager's mapping may be gone,
                 # and a forked child has no slot of its own
                 self.check_usable()
+            if self.trace:
+                self._asked = time.monotonic_ns()
             if self.native.trylock() < 0:
                 self._wait()
+            if self.trace:
+                self._locked = time.monotonic_ns()
         except BaseException:
             self._tlock.release()
             raise
@@ -219,6 +225,8 @@ class PoolLock:
             c[C_DIRTY] = self._keep_dirty
         finally:
             self.native.unlock()
+            if self.trace:
+                self.native.trace_hold(self._asked, self._locked, time.monotonic_ns())
             self._tlock.release()
         return False
 

@@ -194,8 +194,18 @@ class SharedBlockTable(BlockTable):
 
     @property
     def block_ids(self) -> list:
-        with self._m._p.lock:
-            return TableBlockIds(self, self._m._refs.table_blocks(self._m._table_index(self)))
+        m = self._m
+        p = m._p
+        fused = getattr(p.native, "table_ids", None)
+        # C (_hot.table_ids): the read in a hold of the C call's own, not
+        # one that runs Python (the serving path reads it once a request);
+        # None: the path below reads it, or says what is wrong
+        if fused is not None and not p.lock.unusable and not p.lock.held:
+            ids = fused(self._t, self._rh, p.slot, m._epoch)
+            if ids is not None:
+                return TableBlockIds(self, ids)
+        with p.lock:
+            return TableBlockIds(self, m._refs.table_blocks(m._table_index(self)))
 
     @property
     def num_tokens(self) -> int:

@@ -37,7 +37,7 @@ def test_bench_scale_repeats_in_rounds_times_the_steps_and_runs_the_control(tmp_
     out = tmp_path / "scale.json"
     r = subprocess.run([sys.executable, "-m", "tools.bench_scale", "--processes", "1,2",
                         "--seconds", "0.3", "--repeat", "2", "--mix", "serving,control", "--steps",
-                        "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=170)
+                        "--trace", "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=170)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(out.read_text())
     assert sorted((x["mix"], x["processes"]) for x in rows) == sorted(
@@ -47,6 +47,13 @@ def test_bench_scale_repeats_in_rounds_times_the_steps_and_runs_the_control(tmp_
     # every step timed, and the fused calls' lock holds with them
     assert all(len(x["step_us"]) == 9 and min(x["step_us"]) > 0 for x in serving), serving
     assert "lock held / op" in r.stdout
+    # the lock's time traced (--trace): every hold a fused one (no Python path in this mix)
+    for x in serving:
+        t = x["trace"]
+        assert t["holds"] > 100 and t["python_holds"] == 0, t
+        assert 0 < t["held_share"] < 1 and abs(
+            t["held_share"] + t["handover_share"] + t["idle_share"] - 1) < 0.05, t
+    assert "hand-over" in r.stdout
     assert all(x["step_us"] is None and x["waits_per_op"] == 0 for x in rows
                if x["mix"] == "control")
     bad = subprocess.run([sys.executable, "-m", "tools.bench_scale", "--repeat", "0"], cwd=ROOT,

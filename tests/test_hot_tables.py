@@ -263,6 +263,63 @@ def test_the_fused_append_takes_the_lock_itself_and_refuses_a_stale_table():
 
 
 @pytest.mark.skipif(not shlock.ACCELERATED, reason="the C accelerator is not built")
+def test_the_fused_table_ids_reads_in_one_c_hold_and_refuses_what_python_checks():
+    """table_ids() (a table's block_ids) takes the lock itself, one hold,
+    and changes nothing else; its ids are the Python path's, for a list of
+    one chunk, of many (more than its stack buffer) and for an empty one.
+    It refuses (None) a record no longer the request's, a stale view, a lock
+    this thread holds and a broken chain; block_ids then takes the Python
+    path, which raises for what is wrong."""
+    m = shmcache.PagedCacheManager(block_size=4, max_blocks=1024)
+    try:
+        p, nat = m._p, m._p.native
+        t = m.create_block_table("t")
+        assert nat.table_ids(t._t, t._rh, p.slot, m._epoch) == []
+        for n in (6, 4 * 300):                  # 2 blocks, then 302 (21 chunks)
+            m.prepare_append(t, n)
+            ops = int(p.c[L.C_OPS])
+            before = bytes(p.raw)
+            ids = nat.table_ids(t._t, t._rh, p.slot, m._epoch)
+            assert int(p.c[L.C_OPS]) == ops + 1
+            assert_unchanged_but_the_lock(p, before)
+            with p.lock:
+                assert ids == m._refs.table_blocks(t._t)
+            assert list(t.block_ids) == ids
+        assert len(ids) == 302 and len(set(ids)) == 302
+        assert nat.table_ids(t._t, t._rh ^ 1, p.slot, m._epoch) is None       # not its id
+        assert nat.table_ids(t._t + 1, t._rh, p.slot, m._epoch) is None       # no table
+        assert nat.table_ids(t._t, t._rh, p.slot, m._epoch + 1) is None       # stale view
+        assert nat.table_ids(-1, t._rh, p.slot, m._epoch) is None
+        with p.lock:                            # held by this thread: not reentrant
+            assert nat.table_ids(t._t, t._rh, p.slot, m._epoch) is None
+            assert list(t.block_ids) == ids     # (the Python path)
+        g = m.create_block_table("gone")
+        m.delete_block_table("gone")
+        assert nat.table_ids(g._t, g._rh, p.slot, m._epoch) is None
+        with pytest.raises(KeyError):
+            g.block_ids
+        # a chain whose tail is not its last chunk: refused (Python reads it)
+        tail = int(p.t_tail[t._t])
+        p.t_tail[t._t] = int(p.t_head[t._t])
+        try:
+            assert nat.table_ids(t._t, t._rh, p.slot, m._epoch) is None
+        finally:
+            p.t_tail[t._t] = tail
+        # a link out of range: refused; the Python path raises
+        head = int(p.t_head[t._t])
+        link = int(p.chunks["next"][head])
+        p.chunks["next"][head] = p.layout.num_chunks + 5
+        try:
+            assert nat.table_ids(t._t, t._rh, p.slot, m._epoch) is None
+            with pytest.raises(shmcache.CorruptPoolError):
+                t.block_ids
+        finally:
+            p.chunks["next"][head] = link
+    finally:
+        m.close()
+
+
+@pytest.mark.skipif(not shlock.ACCELERATED, reason="the C accelerator is not built")
 def test_the_fused_acquire_counts_only_what_it_takes_and_refuses_a_stale_table():
     """acquire() (acquire_computed_blocks into a table) takes the lock itself:
     the cached run is taken into the table and counted (hits, and the miss

@@ -37,11 +37,16 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+import numpy as np
+
+from tools import lock_trace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BS = 16
@@ -93,7 +98,7 @@ def _serving_steps(mgr, rng, system, pid, end) -> tuple:
 
 
 def worker(name: str, mix: str, start_at: float, seconds: float, seed: int, out: str,
-           steps: bool = False) -> int:
+           steps: bool = False, trace: bool = False) -> int:
     import shmcache
     mgr = shmcache.attach(name)
     waits = mgr._p.lock.wait_log = []
@@ -101,7 +106,8 @@ def worker(name: str, mix: str, start_at: float, seconds: float, seed: int, out:
     log_c = hasattr(native, "log_waits")        # (the C accelerator: its own waits)
     if log_c:
         native.log_waits(True)
-        native.log_holds(steps)
+        native.log_holds(2 if trace else int(steps))
+        mgr._p.lock.trace = trace
     rng = random.Random(seed)
     system = list(range(SYSTEM_BLOCKS * BS))
     ops = 0
@@ -132,6 +138,8 @@ def worker(name: str, mix: str, start_at: float, seconds: float, seed: int, out:
     if log_c:
         waits.extend(native.take_waits())
         holds, held = native.take_holds()
+        if trace:
+            np.save(out + ".trace.npy", np.asarray(native.take_trace(), dtype=np.int64))
     with open(out, "w") as f:
         json.dump({"ops": ops, "waits_ns": waits, "steps_s": took if steps else None,
                    "holds": holds, "held_ns": held}, f)
@@ -140,7 +148,8 @@ def worker(name: str, mix: str, start_at: float, seconds: float, seed: int, out:
 
 
 # ------------------------------------------------------------------ parent
-def run_point(mix: str, n: int, seconds: float, max_blocks: int, steps: bool = False) -> dict:
+def run_point(mix: str, n: int, seconds: float, max_blocks: int, steps: bool = False,
+              trace: bool = False) -> dict:
     import shmcache
     name = f"bscale-{os.getpid()}-{mix}-{n}"
     mgr = shmcache.create_pool(name, block_size=BS, max_blocks=max_blocks,
@@ -161,7 +170,8 @@ def run_point(mix: str, n: int, seconds: float, max_blocks: int, steps: bool = F
             procs.append((subprocess.Popen(
                 [sys.executable, "-m", "tools.bench_scale", "--worker", name, "--mix", mix,
                  "--start-at", repr(start_at), "--seconds", str(seconds), "--seed", str(i),
-                 "--out", out] + (["--steps"] if steps else []), cwd=ROOT), out))
+                 "--out", out] + (["--steps"] if steps else []) + (["--trace"] if trace else []),
+                cwd=ROOT), out))
         results = []
         for p, out in procs:
             if p.wait(timeout=seconds + 120) != 0:
@@ -179,7 +189,12 @@ def run_point(mix: str, n: int, seconds: float, max_blocks: int, steps: bool = F
             held = sum(r["held_ns"] for r in results) / 1e3
             # the fused ops' own holds of the lock (the C ones: all of this mix's)
             step_us += [held / max(1, ops), held / max(1, holds)]
+        traced = None
+        if trace:
+            traced = lock_trace.analyse([np.load(out + ".trace.npy") for _, out in procs
+                                         if os.path.exists(out + ".trace.npy")])
         return {"mix": mix, "processes": n, "ops_per_s": ops / seconds, "step_us": step_us,
+                "trace": traced,
                 "waits_per_op": len(waits) / max(1, ops),
                 "wait_p50_us": _pct(waits, 0.50) / 1e3, "wait_p99_us": _pct(waits, 0.99) / 1e3,
                 "violations": len(problems)}
@@ -188,6 +203,7 @@ def run_point(mix: str, n: int, seconds: float, max_blocks: int, steps: bool = F
             if p.poll() is None:
                 p.kill()
         mgr.destroy()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def table(rows) -> str:
@@ -250,12 +266,15 @@ def main(argv=None) -> int:
                          "(default 1)")
     ap.add_argument("--steps", action="store_true",
                     help="serving mix: also time each step of a request (mean µs per op, per N)")
+    ap.add_argument("--trace", action="store_true",
+                    help="trace every hold of the pool lock and report how its time splits into "
+                         "held, handed over and idle (tools/lock_trace.py)")
     for a in ("--worker", "--start-at", "--seed", "--out"):
         ap.add_argument(a, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args.worker, args.mix, float(args.start_at), args.seconds, int(args.seed),
-                      args.out, args.steps)
+                      args.out, args.steps, args.trace)
     try:
         counts = sorted({int(x) for x in args.processes.split(",")})
     except ValueError:
@@ -276,13 +295,16 @@ def main(argv=None) -> int:
             for n in counts:
                 print(f"[bench_scale] round {k + 1}/{args.repeat}: {mix} N={n} ...",
                       file=sys.stderr, flush=True)
-                rows.append(run_point(mix, n, args.seconds, args.max_blocks, args.steps))
+                rows.append(run_point(mix, n, args.seconds, args.max_blocks, args.steps,
+                                     args.trace))
     rows.sort(key=lambda r: mixes.index(r["mix"]))      # (stable: rounds stay in order)
     print(f"python -m tools.bench_scale --processes {args.processes} --seconds {args.seconds:g} "
           f"--repeat {args.repeat} (CPUs: {os.cpu_count()})")
     print(table(rows))
     if args.steps:
         print(steps_table(rows))
+    if args.trace:
+        print(lock_trace.report(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

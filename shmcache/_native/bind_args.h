@@ -42,6 +42,8 @@ struct Hot {
     // counts them with the slow path's)
     bool log_waits = false;
     std::vector<int64_t> waits;
+    // the hold trace's buffer (log_holds(2): core.trace points into it)
+    std::vector<int64_t> trace;
     // this process's reserve (hot_reserve.h): the ids it put in, and how
     // many it may hold (0: no reserve)
     std::vector<int32_t> stash;

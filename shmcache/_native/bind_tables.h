@@ -2,7 +2,7 @@
 // ops and prefix lookup (hot.cpp, the one unit that includes this, puts them
 // in the module): table_new, table_drop, table_take, table_append and
 // find_chain run inside a hold the Python caller took; new_table,
-// delete_table, append, acquire and publish (hot_fused.h) take the lock
+// delete_table, append, acquire, publish and table_ids (hot_fused.h) take the lock
 // themselves. Each converts its arguments
 // (bind_args.h), calls the core and turns HOT_SLOW into None.
 #ifndef SHMCACHE_BIND_TABLES_H
@@ -173,6 +173,41 @@ nb::object hot_append_py(Hot &self, nb::handle t_, nb::handle rhash_, nb::handle
             return hot_append(h, t, rhash, n, bs, now, slot, epoch, out, span, build_list, list);
         });
     });
+}
+
+// table_ids(t, rhash, slot, epoch) -> the ids of table t's list, or None
+// (the Python path reads them): in a hold of its own (hot_table_ids),
+// sized by the table's length read before the lock, and asked again once
+// when the list grew meanwhile.
+nb::object hot_table_ids_py(Hot &self, nb::handle t_, nb::handle rhash_, nb::handle slot_,
+                            nb::handle epoch_) {
+    Py_ssize_t t = as_n(t_);
+    uint64_t rhash = as_K(rhash_, 2);
+    int slot = as_i(slot_);
+    long long epoch = as_L(epoch_);
+    HotCore *h = ready(self);
+    if (h->p[P_MAX_TABLES] <= 0 || t < 0 || t >= h->p[P_MAX_TABLES])
+        return nb::none();
+    int64_t room = TF(h, t, P_T_LEN);
+    for (int k = 0; k < 2; k++) {
+        if (room < 0 || room > NCHUNKS(h) * CI)
+            return nb::none();
+        Ids<256> out(room);
+        int64_t r = retried(self, [&] {
+            return hot_table_ids(h, t, rhash, slot, epoch, out.p, room);
+        });
+        if (r < 0)
+            return nb::none();
+        if (r <= room) {
+            PyObject *list = nullptr;
+            build_list(&list, out.p, r);
+            if (!list)
+                throw_error();
+            return nb::steal(list);
+        }
+        room = r;
+    }
+    return nb::none();
 }
 
 // acquire(t, rhash, hashes, now, bs, slot, epoch) -> the ids of the blocks

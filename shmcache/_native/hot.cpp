@@ -275,8 +275,29 @@ NB_MODULE(_hot, m) {
              "Timed-lock slices this process let run out (a test hook).")
         .def("log_waits", [](Hot &self, bool on) { self.log_waits = on; },
              "log_waits(on): record how long each fused op's wait for the lock takes.")
-        .def("log_holds", [](Hot &self, bool on) { ready(self)->log_holds = on; },
-             "log_holds(on): time the fused ops' lock holds (take_holds).")
+        .def("log_holds", [](Hot &self, int level) {
+                 HotCore *h = ready(self);
+                 h->log_holds = level;
+                 h->trace = NULL;
+                 h->trace_n = 0;
+                 self.trace.assign(level > 1 ? TRACE_WORDS << 20 : 0, 0);
+                 h->trace = level > 1 ? self.trace.data() : NULL;
+                 h->trace_cap = (int64_t)self.trace.size();
+             },
+             "log_holds(level): 1 times the fused ops' lock holds (take_holds); 2 also "
+             "traces each hold (take_trace).")
+        .def("trace_hold", [](Hot &self, int64_t asked, int64_t locked, int64_t released) {
+                 trace_hold(ready(self), asked, asked, locked, released, 2);
+             },
+             "trace_hold(asked, locked, released): trace a hold of the Python path "
+             "(CLOCK_MONOTONIC ns).")
+        .def("take_trace", [](Hot &self) {
+                 HotCore *h = ready(self);
+                 std::vector<int64_t> r(self.trace.begin(), self.trace.begin() + h->trace_n);
+                 h->trace_n = 0;
+                 return r;
+             },
+             "The traced holds, (asked, turn, locked, released, kind) each, flat; emptied.")
         .def("take_holds", [](Hot &self) {
                  HotCore *h = ready(self);
                  std::pair<int64_t, int64_t> r(h->holds, h->held_ns);
@@ -309,6 +330,9 @@ NB_MODULE(_hot, m) {
         .def("append", &hot_append_py,
              "append(t, rhash, n, bs, now, slot, epoch) -> ids the tokens land in, or None "
              "(takes the lock itself).")
+        .def("table_ids", &hot_table_ids_py,
+             "table_ids(t, rhash, slot, epoch) -> the ids of table t's list, or None (takes the "
+             "lock itself).")
         .def("new_table", &hot_new_table_py,
              "new_table(raw, hash, slot, epoch) -> table, or None (takes the lock itself).")
         .def("delete_table", &hot_delete_table_py,

@@ -142,8 +142,11 @@ release(HotCore *h)
     int64_t t = h->turn;
     h->turn = -1;
     if (h->log_holds && h->hold_start) {
-        h->held_ns += mono_ns() - h->hold_start;
+        int64_t now = mono_ns();
+        h->held_ns += now - h->hold_start;
         h->holds++;
+        if (h->log_holds > 1)
+            trace_hold(h, h->asked, h->turned, h->hold_start, now, 0);
         h->hold_start = 0;
     }
     pthread_mutex_unlock(h->mutex);
@@ -158,7 +161,12 @@ release(HotCore *h)
 static inline int
 enter(HotCore *h, long long epoch, int slot)
 {
-    int64_t t = take_turn(h);
+    int64_t t;
+    if (h->log_holds > 1)
+        h->asked = mono_ns();
+    t = take_turn(h);
+    if (h->log_holds > 1)
+        h->turned = mono_ns();
     if (t < 0)
         return -2;
     if (spin_lock(h) < 0) {

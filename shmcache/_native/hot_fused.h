@@ -1,11 +1,12 @@
-/* shmcache/_native/hot_fused.h: five ops of a request's life as fused
+/* shmcache/_native/hot_fused.h: six ops of a request's life as fused
  * ops that take the lock themselves, as alloc() and free() do (hot_loose.h),
  * instead of running inside a hold the Python caller takes: new_table()
  * (tables.create_block_table, over table_new), delete_table()
  * (delete_block_table: table_drop, then the request-id index's entry
  * removed), append() (prepare_append's common case, over table_append) and
  * acquire() (the table branch of prefix.acquire_computed_blocks: find_chain,
- * then table_take) and publish() (prefix.cache_full_blocks: hot_index_add).
+ * then table_take), publish() (prefix.cache_full_blocks: hot_index_add) and
+ * table_ids() (a table's block_ids, read).
  * Included by hot.cpp.
  *
  * The table is named by its index and its request id's hash (views.py's
@@ -50,6 +51,49 @@ enter_table(HotCore *h, int64_t t, uint64_t rhash, int slot, long long epoch)
         return HOT_SLOW;
     }
     return 0;
+}
+
+/* table_ids(t, rhash, slot, epoch, out, room): views.SharedBlockTable's
+ * block_ids in a hold of its own (a read: nothing changes): n, the length
+ * of live table t's list, with its ids in out[0, n) when n <= room (when
+ * n > room out is untouched, and the binding asks again with room n); or
+ * HOT_SLOW / HOT_BUSY. HOT_SLOW too when a chunk of the chain is out of
+ * range, the chain's last chunk is not the tail, or an id is not a block
+ * (the Python path, refs.table_blocks, says which). */
+static inline int64_t
+hot_table_ids(HotCore *h, int64_t t, uint64_t rhash, int slot, long long epoch, int32_t *out,
+              int64_t room)
+{
+    int64_t len, i, r = HOT_SLOW;
+    int32_t c;
+    int e = enter_table(h, t, rhash, slot, epoch);
+    if (e)
+        return e;
+    len = TF(h, t, P_T_LEN);
+    c = TF(h, t, P_T_HEAD);
+    if (len < 0 || len > NCHUNKS(h) * CI)
+        goto done;
+    if (len > room) {
+        r = len;
+        goto done;
+    }
+    for (i = 0; i < len; i++) {
+        int32_t b;
+        if (i && i % CI == 0)
+            c = W(h, (int64_t)c * CW);
+        if (!IS_CHUNK(h, c))
+            goto done;
+        b = W(h, (int64_t)c * CW + 1 + i % CI);
+        if (!IS_BLOCK(h, b))
+            goto done;
+        out[i] = b;
+    }
+    if (len && c != TF(h, t, P_T_TAIL))
+        goto done;
+    r = len;
+done:
+    leave(h, 0);
+    return r;
 }
 
 /* new_table(raw, n, hash, slot, epoch): table_new (hot_tables.h) in a hold

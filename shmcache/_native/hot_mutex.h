@@ -42,6 +42,27 @@ mono_ns(void)
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
+/* Trace one hold (log_holds 2): (asked, turn, locked, released, kind),
+ * CLOCK_MONOTONIC ns: when the op asked for the lock, when its turn came
+ * (hot_enter.h's take_turn; = asked where there is none), when it had the
+ * lock and when it let it go. kind 0: a fused op's hold; 1: an empty hold
+ * of hot_wait_lock's; 2: a Python hold (the binding's trace_hold). */
+#define TRACE_WORDS 5
+static inline void
+trace_hold(HotCore *h, int64_t asked, int64_t turn, int64_t locked, int64_t released,
+           int64_t kind)
+{
+    if (h->trace && h->trace_n + TRACE_WORDS <= h->trace_cap) {
+        int64_t *r = h->trace + h->trace_n;
+        r[0] = asked;
+        r[1] = turn;
+        r[2] = locked;
+        r[3] = released;
+        r[4] = kind;
+        h->trace_n += TRACE_WORDS;
+    }
+}
+
 /* Initialise the robust mutex (the pool's creator only): 0, or an errno. */
 static inline int
 hot_init_mutex(HotCore *h)
@@ -192,10 +213,14 @@ hot_wait_lock(HotCore *h, long *slices)
     int64_t t0 = mono_ns(), w;
     int e = hot_lock(h, slices);
     if (e == 0 || e == EOWNERDEAD) {
-        w = mono_ns() - t0;
+        int64_t locked = mono_ns();
+        w = locked - t0;
         if (w > C(h, P_C_LOCK_WAIT_NS))     /* the longest wait, for inspect */
             C(h, P_C_LOCK_WAIT_NS) = w;
-        return pthread_mutex_unlock(h->mutex);
+        e = pthread_mutex_unlock(h->mutex);
+        if (h->log_holds > 1)
+            trace_hold(h, t0, t0, locked, mono_ns(), 1);
+        return e;
     }
     return e;
 }

@@ -75,6 +75,12 @@ typedef struct {
     int log_holds;          /* time the fused ops' holds (tools/bench_scale --steps) */
     int64_t hold_start;     /* when the current hold began (log_holds) */
     int64_t holds, held_ns; /* the holds timed, and their total */
+    /* log_holds == 2 also traces each hold (tools/bench_scale --trace; see
+     * hot_mutex.h's trace_hold) into a buffer of trace_cap words the
+     * binding owns */
+    int64_t *trace;
+    int64_t trace_n, trace_cap;
+    int64_t asked, turned;  /* when the current fused op asked for the lock, got its turn */
 } HotCore;
 
 #define BF(h, b, f, T) (*(T *)((h)->base + (h)->p[P_BLOCKS_OFF] + (int64_t)(b) * (h)->p[P_BLOCK_SIZE] + (h)->p[f]))
@@ -204,6 +210,8 @@ hot_open(HotCore *h, void *buf, int64_t len, const int64_t *params, double creat
     h->turn_wait_ns = 0;
     h->log_holds = 0;
     h->hold_start = h->holds = h->held_ns = 0;
+    h->trace = NULL;
+    h->trace_n = h->trace_cap = h->asked = h->turned = 0;
     return NULL;
 }
 

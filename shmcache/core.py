@@ -8,7 +8,7 @@ import logging
 import numpy as np
 
 from . import layout as L
-from . import recovery, reserve
+from . import claims, recovery, reserve
 from .blocks import CacheBlock, PoolStats, chain_hashes
 from .errors import CapacityError
 from .reclaim import reclaim_dead_slots, release_block
@@ -185,8 +185,12 @@ class PoolOps:
         return self._checked_table(t)
 
     def _checked_table(self, t: int) -> int:
-        # the fields every table operation indexes with, checked once here
+        # the fields every table operation indexes with, checked once here;
+        # in a hold, the table's claim taken first (claims.py: its owner may
+        # be appending without the lock)
         p = self._p
+        if p.lock.held:
+            claims.claim(p, t)
         nch = p.layout.num_chunks
         if not (-1 <= p.t_head[t] < nch and -1 <= p.t_tail[t] < nch
                 and 0 <= p.t_len[t] <= nch * L.CHUNK_IDS and p.t_tok[t] >= 0):
@@ -218,7 +222,8 @@ class PoolOps:
         raw, h = key or rid_key(request_id)
         if self._tindex.find(raw, h) >= 0:
             raise ValueError(f"a block table for request {request_id!r} already exists")
-        free = np.flatnonzero(p.tables["state"] == 0)
+        # (a free record whose claim is not 0 is skipped, as hot_table_new does)
+        free = np.flatnonzero((p.tables["state"] == 0) & (p.tables["claim"] == 0))
         if not free.size:
             raise CapacityError(f"pool {self.name!r} has no free block table "
                                 f"(max_tables={p.layout.max_tables})")
@@ -300,7 +305,7 @@ class PoolOps:
                 p.b_tok[b] = tokens_in_block
             p.t_tok[t] += tokens_in_block
             if count_tokens:
-                p.c[L.C_TOKENS] += tokens_in_block      # as the seed's add_block_to_table
+                p.add_tokens(tokens_in_block)      # as the seed's add_block_to_table
 
     def _table_edit(self, table, op):
         """Apply ``op`` (a list mutation) to the table's block ids, moving

@@ -24,7 +24,7 @@ integers are little-endian; every section starts on a 64-byte boundary.
                                                 ids; every block table and every
                                                 slot's loose references is a
                                                 chain of them (see ``refs``)
-    tables_off        max_tables * 96           block tables: TABLE_DTYPE
+    tables_off        max_tables * 128          block tables: TABLE_DTYPE
     tindex_off        table_capacity * 4        request-id index: int32 table
                                                 index per slot, -1 empty
     arena_off         num_layers * 2 * num_kv_heads * max_blocks
@@ -81,7 +81,7 @@ import numpy as np
 from .errors import CorruptPoolError
 
 MAGIC = b"SHMCACH1"
-LAYOUT_VERSION = 7
+LAYOUT_VERSION = 8
 HEADER_SIZE = 4096
 COUNTERS_SIZE = 512
 MUTEX_OFF = 1024             # inside the header, past HEADER_DTYPE
@@ -151,6 +151,10 @@ C_FREE_CHUNK, C_FREE_CHUNKS = C_FREE_REF, C_FREE_REFS
 # the lock now. Each on a cache line of its own (the waiters poll C_TURN_NOW).
 C_TURN_NEXT = 32
 C_TURN_NOW = 40
+# Processes attached without the C accelerator (slots with ``pure`` set): while
+# any is, no append runs without the pool lock (a pure process cannot
+# compare-and-swap a table's claim). Derived: recovery recounts it.
+C_PURE = 48
 NUM_COUNTERS = 64
 
 SLOT_DTYPE = np.dtype([
@@ -161,7 +165,8 @@ SLOT_DTYPE = np.dtype([
     ("loose_head", "<i4"),  # first chunk of this slot's loose references (-1: none)
     ("loose_count", "<i4"), # loose references held
     ("reserved", "<i4"),    # of them, blocks in this slot's reserve (see STASH_MARK)
-    ("_pad", "V24"),
+    ("pure", "<i4"),        # 1: attached without the C accelerator (counted in C_PURE)
+    ("_pad", "V20"),
 ])
 
 BLOCK_DTYPE = np.dtype([
@@ -225,9 +230,16 @@ TABLE_DTYPE = np.dtype([
     ("tail", "<i4"),       # last chunk, partly filled (-1: empty)
     ("length", "<i4"),     # block ids in the table (its commit point)
     ("num_tokens", "<i4"),
+    ("claim", "<i4"),      # who may write the table now (see below)
+    ("_pad", "V28"),
 ])
+# A table's ``claim``: 0, nobody; -1, the pool lock's holder (taken, by
+# compare-and-swap from 0, before a hold writes the table, and given back
+# before the hold ends); s + 1, slot s, the table's owner, appending into the
+# table's last block without the pool lock (shmcache/_native/hot_claim.h).
+# See docs/design.md, "Lock-free appends".
 
-for _dt, _size in ((SLOT_DTYPE, 64), (BLOCK_DTYPE, 40), (CHUNK_DTYPE, 64), (TABLE_DTYPE, 96)):
+for _dt, _size in ((SLOT_DTYPE, 64), (BLOCK_DTYPE, 40), (CHUNK_DTYPE, 64), (TABLE_DTYPE, 128)):
     assert _dt.itemsize == _size, (_dt, _dt.itemsize)
 assert HEADER_DTYPE.itemsize <= MUTEX_OFF and MUTEX_OFF + MUTEX_BYTES <= LIVENESS_OFF
 assert INIT_LOCK_OFF < HEADER_SIZE

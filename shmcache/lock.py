@@ -62,7 +62,7 @@ _P_NAMES = ("mutex_off", "counters_off",
             "max_tables", "c_num_tables", "hash_off", "hash_cap", "b_hash",
             "tindex_off", "tindex_cap", "t_rid", "rid_bytes", "t_rhash", "t_owner",
             "c_hits", "c_misses", "c_evictions", "c_turn_next", "c_turn_now", "c_lock_wait_ns",
-            "s_reserved")
+            "s_reserved", "t_claim", "c_pure")
 
 
 def _params(**kw) -> tuple:
@@ -93,7 +93,8 @@ def hot_params(lay) -> tuple:
         t_rid=tf["request_id"][1], rid_bytes=L.RID_BYTES, t_rhash=tf["rid_hash"][1],
         t_owner=tf["owner"][1], c_hits=L.C_HITS, c_misses=L.C_MISSES,
         c_evictions=L.C_EVICTIONS, c_turn_next=L.C_TURN_NEXT, c_turn_now=L.C_TURN_NOW,
-        c_lock_wait_ns=L.C_LOCK_WAIT_NS, s_reserved=sf["reserved"][1])
+        c_lock_wait_ns=L.C_LOCK_WAIT_NS, s_reserved=sf["reserved"][1], t_claim=tf["claim"][1],
+        c_pure=L.C_PURE)
 
 
 def open_hot(mm, lay, created_at: float, accelerated: bool = ACCELERATED):
@@ -145,6 +146,8 @@ class PoolLock:
         self.unusable = False       # set with it, so the hot path tests a flag
         self.wait_log = None        # a list to append each slow-path wait (ns) to
         self.trace = False          # trace each hold in the native trace (bench_scale --trace)
+        self.claimed = []           # tables whose claim this hold took (claims.py)
+        self.release_claims = None  # gives them back (set by the pool)
         self._asked = self._locked = 0
 
     def __enter__(self):
@@ -204,6 +207,8 @@ class PoolLock:
         except BaseException:
             # Still dirty: the next holder repairs. Never keep the lock.
             self._depth = 0
+            if self.claimed:
+                self.release_claims()
             self.native.unlock()
             self._tlock.release()
             raise
@@ -224,6 +229,8 @@ class PoolLock:
             c[C_OPS] += 1
             c[C_DIRTY] = self._keep_dirty
         finally:
+            if self.claimed:
+                self.release_claims()
             self.native.unlock()
             if self.trace:
                 self.native.trace_hold(self._asked, self._locked, time.monotonic_ns())

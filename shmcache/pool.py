@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from . import layout as L
-from . import recovery, segment
+from . import claims, recovery, segment
 from .reclaim import reclaim_dead_slots
 from .index import OpenIndex
 from .errors import CorruptPoolError, PoolClosedError
@@ -58,6 +58,7 @@ class Pool(SlotOps):
         self.lock = PoolLock(self.native, self.c, self._on_dirty)
         self.lock.check_usable = self.check_usable
         self.lock.unusable = False
+        self.lock.release_claims = lambda: claims.release(self)
         self.reclaimed_in_repair = 0     # references released by repairs, not yet reported
         live_pools.add(self)       # (last: the fork handler needs a whole Pool)
 
@@ -186,6 +187,7 @@ class Pool(SlotOps):
         self.t_len = memoryview(t["length"])
         self.t_tok = memoryview(t["num_tokens"])
         self.t_rhash = memoryview(t["rid_hash"])
+        self.t_claim = memoryview(t["claim"])
         self.s_head = memoryview(self.slots["loose_head"])
         self.s_count = memoryview(self.slots["loose_count"])
         raw = self.raw
@@ -259,6 +261,16 @@ class Pool(SlotOps):
         self.tidx[:] = -1
         h["checksum"] = np.frombuffer(L.header_checksum(h), "V16")[0]
         h["ready"] = 1
+
+    def add_tokens(self, n: int) -> None:
+        """The seed's token counter (C_TOKENS) += n: an atomic add where the
+        C accelerator is, since appends without the lock add to it too
+        (claims.py); a plain one in a pure process (none run then)."""
+        add = getattr(self.native, "add_counter", None)
+        if add is not None:
+            add(L.C_TOKENS, int(n))
+        else:
+            self.c[L.C_TOKENS] += n
 
     # ------------------------------------------------------------------ slots
     def _take_slot(self) -> None:

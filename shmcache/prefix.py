@@ -177,7 +177,7 @@ class PrefixOps(PoolOps):
                 # the lists, which repair recomputes from the lists.
                 self._refs.table_extend(t, found)
                 p.t_tok[t] += bs * len(found)
-                p.c[L.C_TOKENS] += bs * len(found)     # as add_block_to_table counts them
+                p.add_tokens(bs * len(found))     # as add_block_to_table counts them
         return [SharedBlock(self, b) for b in found], len(found) * bs
 
     # ================================================================= legacy

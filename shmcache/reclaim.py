@@ -21,6 +21,7 @@ import os
 import numpy as np
 
 from . import layout as L
+from .claims import claim, detach_pure
 from .freelist import SharedFreeQueue
 from .errors import CorruptPoolError, PoolClosedError
 from .platform import byte_unlock
@@ -35,7 +36,7 @@ def release_block(p, fq: SharedFreeQueue, b: int) -> None:
         raise p.corrupt(f"block {b} is referenced but its ref_count is {r + 1}")
     p.b_ref[b] = r
     if r == 0:
-        p.c[L.C_TOKENS] -= p.b_tok[b]       # as the seed's free_block
+        p.add_tokens(-(p.b_tok[b]))       # as the seed's free_block
         if p.b_flags[b] & L.FLAG_CACHED:
             fq.append_id(b)
         else:
@@ -58,12 +59,17 @@ def release_slot_holdings(p, refs: RefStore, slot: int) -> int:
         release_block(p, fq, b)
         n += 1
     p.slots["reserved"][slot] = 0
+    detach_pure(p, slot)
     owned = np.flatnonzero((p.tables["state"] == 1) & (p.tables["owner"] == slot)).tolist()
     for t in owned:
+        claim(p, t)             # (a dead owner's, mid-append, is taken over)
         unlink_table(p, t)
         for b in reversed(refs.pop_table(t)):
             release_block(p, fq, b)
             n += 1
+    # a claim the slot left on a record not its own (a stale append's probe)
+    cl = p.tables["claim"]
+    cl[cl == slot + 1] = 0
     return n
 
 

@@ -16,7 +16,7 @@ import numpy as np
 from . import layout as L
 from .errors import CorruptPoolError
 from .index import OpenIndex
-from . import reserve
+from . import claims, reserve
 
 CI, CW = L.CHUNK_IDS, L.CHUNK_WORDS
 
@@ -252,11 +252,16 @@ def check(p) -> list:
             out.append(f"table {t}: num_tokens {p.t_tok[t]} is negative")
     if p.c[L.C_NUM_TABLES] != len(live):
         out.append(f"table counter {p.c[L.C_NUM_TABLES]} != {len(live)} live tables")
+    out += claims.stale_claims(p)
+    if p.c[L.C_PURE] != claims.count_pure(p):
+        out.append(f"pure-process counter {p.c[L.C_PURE]} != {claims.count_pure(p)} attached")
     return out
 
 
 def repair(p) -> None:
     """Rebuild every derived structure from the lists (lock held)."""
+    # no append without the lock while the lists are rebuilt
+    claims.claim_every_table(p)
     lay = p.layout
     n = lay.max_blocks
     b = p.blocks
@@ -356,6 +361,7 @@ def repair(p) -> None:
     for t in live:
         p.tindex.insert(t, int(p.tables["rid_hash"][t]))
     p.c[L.C_NUM_TABLES] = len(live)
+    p.c[L.C_PURE] = claims.count_pure(p)
     p.c[L.C_RECOVERIES] += 1
     p.c[L.C_EPOCH] += 1
 

@@ -266,5 +266,5 @@ class SeedFreeQueue(SharedFreeQueue):
             for b in ids:
                 m._refs.drop_loose(b)
                 p.b_ref[b] = 0
-                p.c[C_TOKENS] -= p.b_tok[b]
+                p.add_tokens(-(p.b_tok[b]))
                 self.append_id(b)

@@ -26,6 +26,7 @@ import weakref
 import numpy as np
 import psutil
 
+from . import claims
 from . import layout as L
 from .errors import CapacityError
 from .platform import byte_held_by_other, byte_lock, byte_unlock
@@ -106,6 +107,7 @@ class SlotOps:
                 sl["loose_head"] = -1
                 sl["loose_count"] = 0
                 sl["reserved"] = 0
+                claims.attach_pure(self, int(s), not hasattr(self.native, "claim_table"))
                 sl["state"] = 1
                 self.slot = self.lock.slot = int(s)
                 return

@@ -144,7 +144,7 @@ class TableOps(PoolOps):
         new = self._pop_free()
         p.b_tok[new] = p.b_tok[old]
         if count_tokens:
-            p.c[L.C_TOKENS] += p.b_tok[new]
+            p.add_tokens(p.b_tok[new])
         kv.copy_block(p, old, new)
         self._copy_payload(old, new)
         p.kw[g] = new               # commit: the table now holds the copy
@@ -248,7 +248,7 @@ class TableOps(PoolOps):
                 p.b_tok[b] = min(bs, tok + num_new_tokens - i * bs)
                 out.append(SharedBlock(self, b))
             p.t_tok[t] = tok + num_new_tokens
-            p.c[L.C_TOKENS] += num_new_tokens       # (as add_block_to_table counts them)
+            p.add_tokens(num_new_tokens)       # (as add_block_to_table counts them)
             return out
 
     def trim_table(self, table: BlockTable, num_tokens: int) -> int:
@@ -284,7 +284,7 @@ class TableOps(PoolOps):
                 b = self._refs.block_at(self._refs.table_word(t, keep - 1), "table {}'s list", t)
                 if p.b_ref[b] == 1 and not p.b_flags[b] & L.FLAG_CACHED:
                     now = min(p.b_tok[b], left - (keep - 1) * self.block_size)
-                    p.c[L.C_TOKENS] -= p.b_tok[b] - now
+                    p.add_tokens(-(p.b_tok[b] - now))
                     p.b_tok[b] = now
             for b in reversed(cut):
                 self._release(b)

@@ -245,14 +245,16 @@ def test_the_fused_append_takes_the_lock_itself_and_refuses_a_stale_table():
         assert len(ids) == 2 and int(p.c[L.C_OPS]) == ops + 1 and p.c[L.C_DIRTY] == 0
         assert t.num_tokens == 6 and t.block_ids == ids
         before = bytes(p.raw)
-        assert nat.append(t._t, t._rh ^ 1, 1, 4, 0.0, p.slot, m._epoch) is None   # not its id
-        assert nat.append(t._t + 1, t._rh, 1, 4, 0.0, p.slot, m._epoch) is None   # no table
-        assert nat.append(t._t, t._rh, 1, 4, 0.0, p.slot, m._epoch + 1) is None   # stale view
+        # (3 tokens: past the last block, so the locked path; one token into
+        # the last block takes no lock at all: test_the_lock_free_append...)
+        assert nat.append(t._t, t._rh ^ 1, 3, 4, 0.0, p.slot, m._epoch) is None   # not its id
+        assert nat.append(t._t + 1, t._rh, 3, 4, 0.0, p.slot, m._epoch) is None   # no table
+        assert nat.append(t._t, t._rh, 3, 4, 0.0, p.slot, m._epoch + 1) is None   # stale view
         assert nat.append(t._t, t._rh, 0, 4, 0.0, p.slot, m._epoch) is None       # (Python's)
-        assert nat.append(t._t, t._rh, 1, 4, 0.0, -1, m._epoch) is None
+        assert nat.append(t._t, t._rh, 3, 4, 0.0, -1, m._epoch) is None
         assert_unchanged_but_the_lock(p, before)
         with p.lock:                            # held by this thread: not reentrant
-            assert nat.append(t._t, t._rh, 1, 4, 0.0, p.slot, m._epoch) is None
+            assert nat.append(t._t, t._rh, 3, 4, 0.0, p.slot, m._epoch) is None
             assert [b.block_id for b in m.prepare_append(t, 1)] == [ids[1]]   # Python path
         m.delete_block_table("t")
         u = m.create_block_table("u")           # (reuses the record)

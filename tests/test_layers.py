@@ -29,7 +29,7 @@ LAYERS = [
     ("platform seam, byte map, BLAS binding",
      "platform layout blas blas_elf blas_find blas_load"),
     ("segment file, pool lock", "segment lock"),
-    ("shared structures", "blocks freelist index chunks refs slots"),
+    ("shared structures", "blocks freelist index chunks refs claims slots"),
     ("one mapped pool, recovery, reclaim, reserves", "pool recovery reclaim reserve"),
     ("manager primitives, K/V arena, live views", "core fastpath kv views"),
     ("manager mixins, seed containers", "tables prefix kv_ops admin seed_views"),

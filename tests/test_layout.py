@@ -94,7 +94,7 @@ def test_a_bigger_parameter_never_shrinks_the_segment():
 # ====================================================================== record types
 def test_record_types_have_the_documented_sizes():
     assert (L.SLOT_DTYPE.itemsize, L.BLOCK_DTYPE.itemsize, L.CHUNK_DTYPE.itemsize,
-            L.TABLE_DTYPE.itemsize) == (64, 40, 64, 96)
+            L.TABLE_DTYPE.itemsize) == (64, 40, 64, 128)
     assert L.COUNTERS_SIZE == 8 * L.NUM_COUNTERS
     assert L.BLOCK_DTYPE.fields["hash"][1] == L.BLOCK_HASH_OFF
     assert L.BLOCK_DTYPE.fields["hash"][0].itemsize == L.HASH_BYTES == 16

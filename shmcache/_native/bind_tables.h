@@ -168,11 +168,40 @@ nb::object hot_append_py(Hot &self, nb::handle t_, nb::handle rhash_, nb::handle
     int slot = as_i(slot_);
     long long epoch = as_L(epoch_);
     HotCore *h = ready(self);
+    // the tokens land in the table's private last block: no lock at all
+    int64_t b = hot_append_free(h, t, rhash, n, bs, slot);
+    if (b > 0) {
+        PyObject *list = nullptr;
+        int32_t id = (int32_t)b;
+        build_list(&list, &id, 1);
+        if (!list)
+            throw_error();
+        return nb::steal(list);
+    }
     return appended(h, t, n, bs, [&](int32_t *out, int64_t span, PyObject **list) {
         return retried(self, [&] {
             return hot_append(h, t, rhash, n, bs, now, slot, epoch, out, span, build_list, list);
         });
     });
+}
+
+// claim_table(t) -> 0 (the lock holder has table t's claim now), -1 (it had
+// it), or the claim's holder (slot + 1) that kept it (hot_claim.h); None
+// when t is out of range or the lock is not held here.
+nb::object hot_claim_table_py(Hot &self, nb::handle t_) {
+    Py_ssize_t t = as_n(t_);
+    HotCore *h = ready(self);
+    if (h->p[P_MAX_TABLES] <= 0 || t < 0 || t >= h->p[P_MAX_TABLES] || !held_here(h))
+        return nb::none();
+    return int_result(hot_claim(h, t));
+}
+
+// unclaim_table(t): give table t's claim back, if the lock holder has it.
+void hot_unclaim_table_py(Hot &self, nb::handle t_) {
+    Py_ssize_t t = as_n(t_);
+    HotCore *h = ready(self);
+    if (h->p[P_MAX_TABLES] > 0 && t >= 0 && t < h->p[P_MAX_TABLES])
+        hot_unclaim(h, t);
 }
 
 // table_ids(t, rhash, slot, epoch) -> the ids of table t's list, or None

@@ -330,6 +330,18 @@ NB_MODULE(_hot, m) {
         .def("append", &hot_append_py,
              "append(t, rhash, n, bs, now, slot, epoch) -> ids the tokens land in, or None "
              "(takes the lock itself).")
+        .def("add_counter", [](Hot &self, int i, int64_t n) {
+                 HotCore *h = ready(self);
+                 if (i >= 0 && i < 64)
+                     __atomic_fetch_add(&h->c[i], n, __ATOMIC_RELAXED);
+             },
+             "add_counter(i, n): counter i += n, atomically (lock-free appends add to the "
+             "token counter too).")
+        .def("claim_table", &hot_claim_table_py,
+             "claim_table(t) -> 0 taken, -1 this hold's already, else the holder (slot + 1) "
+             "that kept it; None: t out of range or the lock not held here.")
+        .def("unclaim_table", &hot_unclaim_table_py,
+             "unclaim_table(t): give table t's claim back (lock held).")
         .def("table_ids", &hot_table_ids_py,
              "table_ids(t, rhash, slot, epoch) -> the ids of table t's list, or None (takes the "
              "lock itself).")

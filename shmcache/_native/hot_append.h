@@ -93,7 +93,7 @@ hot_table_take(HotCore *h, int64_t t, const int32_t *bs, int64_t n, double now, 
             chain_put(h, t, pos, bs[i], &tail, cs, &ci);
         TF(h, t, P_T_LEN) = (int32_t)pos;        /* commit: the table holds them */
         TF(h, t, P_T_TOK) += (int32_t)tokens;
-        h->c[CT] += tokens;
+        __atomic_fetch_add(&h->c[CT], tokens, __ATOMIC_RELAXED);   /* (hot_claim.h) */
         result = n;
     }
 done:
@@ -280,7 +280,7 @@ hot_table_append(HotCore *h, int64_t t, int64_t n, int64_t bs, double now,
             TOK(h, b) = (uint16_t)(left < bs ? left : bs);
         }
         TF(h, t, P_T_TOK) = (int32_t)(tok + n);
-        h->c[CT] += n;
+        __atomic_fetch_add(&h->c[CT], n, __ATOMIC_RELAXED);
         result = last - first + 1;
     }
 done:

@@ -141,6 +141,12 @@ release(HotCore *h)
 {
     int64_t t = h->turn;
     h->turn = -1;
+    if (h->claimed >= 0) {      /* the table claim the op took (hot_claim.h) */
+        int32_t e = -1;
+        __atomic_compare_exchange_n(&TF(h, h->claimed, P_T_CLAIM), &e, 0, 0, __ATOMIC_RELEASE,
+                                    __ATOMIC_RELAXED);
+        h->claimed = -1;
+    }
     if (h->log_holds && h->hold_start) {
         int64_t now = mono_ns();
         h->held_ns += now - h->hold_start;

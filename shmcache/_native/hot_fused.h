@@ -33,8 +33,8 @@
 #include <string.h>
 
 /* Take the lock for a fused table op on table t of request-id hash rhash:
- * 0 (held, the pool clean, the view current, the table that one), or
- * HOT_BUSY / HOT_SLOW with the lock not held. */
+ * 0 (held, the pool clean, the view current, the table that one, its claim
+ * taken: hot_claim.h), or HOT_BUSY / HOT_SLOW with the lock not held. */
 static inline int
 enter_table(HotCore *h, int64_t t, uint64_t rhash, int slot, long long epoch)
 {
@@ -46,7 +46,7 @@ enter_table(HotCore *h, int64_t t, uint64_t rhash, int slot, long long epoch)
     if ((e = enter(h, epoch, slot)) < 0)
         return e == -2 ? HOT_BUSY : HOT_SLOW;
     memcpy(&have, h->base + h->p[P_TABLES_OFF] + t * h->p[P_TABLE_SIZE] + h->p[P_T_RHASH], 8);
-    if (TF(h, t, P_T_STATE) != 1 || have != rhash) {
+    if (TF(h, t, P_T_STATE) != 1 || have != rhash || claim_for_op(h, t) != 0) {
         leave(h, 0);
         return HOT_SLOW;
     }
@@ -184,7 +184,7 @@ hot_delete_table(HotCore *h, const char *raw, int64_t n, uint64_t hash, int slot
     if ((e = enter(h, epoch, slot)) < 0)
         return e == -2 ? HOT_BUSY : HOT_SLOW;
     if ((i = tindex_slot(h, raw, n, hash, t)) < 0 || !tindex_can_remove(h, i) ||
-        TF(h, *t, P_T_STATE) != 1) {
+        TF(h, *t, P_T_STATE) != 1 || claim_for_op(h, *t) != 0) {
         leave(h, 0);
         return HOT_SLOW;
     }

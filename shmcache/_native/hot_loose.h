@@ -290,7 +290,7 @@ hot_free(HotCore *h, const int32_t *bs, int64_t n, int slot, long long epoch, LM
             REF(h, b) = x;
             if (x == 0) {
                 freed++;
-                h->c[CT] -= TOK(h, b);          /* as the seed's free_block */
+                __atomic_fetch_sub(&h->c[CT], TOK(h, b), __ATOMIC_RELAXED);  /* as free_block */
                 free_list_put(h, b, cached);
             }
         }

@@ -42,7 +42,7 @@ enum {
     P_MAX_TABLES, P_C_NUM_TABLES, P_HASH_OFF, P_HASH_CAP, P_B_HASH,
     P_TINDEX_OFF, P_TINDEX_CAP, P_T_RID, P_RID_BYTES, P_T_RHASH, P_T_OWNER,
     P_C_HITS, P_C_MISSES, P_C_EVICTIONS, P_C_TURN_NEXT, P_C_TURN_NOW, P_C_LOCK_WAIT_NS,
-    P_S_RESERVED,
+    P_S_RESERVED, P_T_CLAIM, P_C_PURE,
     P_COUNT
 };
 
@@ -81,6 +81,7 @@ typedef struct {
     int64_t *trace;
     int64_t trace_n, trace_cap;
     int64_t asked, turned;  /* when the current fused op asked for the lock, got its turn */
+    int64_t claimed;        /* the table whose claim the current fused op took (-1: none) */
 } HotCore;
 
 #define BF(h, b, f, T) (*(T *)((h)->base + (h)->p[P_BLOCKS_OFF] + (int64_t)(b) * (h)->p[P_BLOCK_SIZE] + (h)->p[f]))
@@ -195,7 +196,8 @@ hot_open(HotCore *h, void *buf, int64_t len, const int64_t *params, double creat
          p[P_TINDEX_OFF] + p[P_TINDEX_CAP] * 4 > len ||
          p[P_RID_BYTES] <= 0 || p[P_T_RID] < 0 ||
          p[P_T_RID] + p[P_RID_BYTES] > p[P_TABLE_SIZE] ||
-         p[P_T_RHASH] < 0 || p[P_T_RHASH] + 8 > p[P_TABLE_SIZE]))
+         p[P_T_RHASH] < 0 || p[P_T_RHASH] + 8 > p[P_TABLE_SIZE] ||
+         p[P_T_CLAIM] < 0 || p[P_T_CLAIM] + 4 > p[P_TABLE_SIZE]))
         return "buffer too small for the pool's tables";
     h->base = (char *)buf;
     h->len = len;
@@ -212,6 +214,7 @@ hot_open(HotCore *h, void *buf, int64_t len, const int64_t *params, double creat
     h->hold_start = h->holds = h->held_ns = 0;
     h->trace = NULL;
     h->trace_n = h->trace_cap = h->asked = h->turned = 0;
+    h->claimed = -1;
     return NULL;
 }
 

@@ -16,18 +16,21 @@
 #ifndef SHMCACHE_HOT_TABLES_H
 #define SHMCACHE_HOT_TABLES_H
 
+#include "hot_claim.h"
 #include "hot_enter.h"
 
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-/* The fused ops are on, t is a live table, and this thread holds the lock. */
+/* The fused ops are on, t is a live table, this thread holds the lock and
+ * the hold has the table's claim (hot_claim.h). */
 static inline int
 hot_table_ops_on(const HotCore *h, int64_t t)
 {
     return NCHUNKS(h) > 0 && h->c_tokens >= 0 && h->p[P_MAX_TABLES] > 0 &&
-           t >= 0 && t < h->p[P_MAX_TABLES] && TF(h, t, P_T_STATE) == 1 && held_here(h);
+           t >= 0 && t < h->p[P_MAX_TABLES] && TF(h, t, P_T_STATE) == 1 &&
+           TF(h, t, P_T_CLAIM) == -1 && held_here(h);
 }
 
 /* table_new(raw, hash, slot): the new table, or HOT_SLOW (nothing changed).
@@ -65,7 +68,11 @@ hot_table_new(HotCore *h, const char *raw, int64_t n, uint64_t hash, int slot)
     }
     if (probes > mask)
         return HOT_SLOW;
-    for (t = 0; t < h->p[P_MAX_TABLES] && TF(h, t, P_T_STATE) != 0; t++)
+    /* (a free record whose claim is not 0 is skipped: a stale append's
+     * probe, for a moment, or a dead one's, until recovery) */
+    for (t = 0; t < h->p[P_MAX_TABLES] &&
+                (TF(h, t, P_T_STATE) != 0 || __atomic_load_n(&TF(h, t, P_T_CLAIM), __ATOMIC_ACQUIRE));
+         t++)
         ;
     if (t == h->p[P_MAX_TABLES])
         return HOT_SLOW;
@@ -168,7 +175,7 @@ hot_table_drop(HotCore *h, int64_t t)
             REF(h, b) = x;
             if (x)
                 continue;
-            h->c[CT] -= TOK(h, b);              /* as the seed's free_block */
+            __atomic_fetch_sub(&h->c[CT], TOK(h, b), __ATOMIC_RELAXED);  /* as free_block */
             free_list_put(h, b, FLAGS(h, b) & CACHED);
             C(h, P_C_NUM_FREE) += 1;
         }

@@ -3,8 +3,8 @@
 ``shmcache/_native/hot_claim.h``).
 
 A table's owner appends into the table's private last block without the
-pool lock, holding the table's claim (``slot + 1``) for the few hundred
-nanoseconds it takes. Every hold that writes a table takes the claim first
+pool lock, and any process reads a table's block ids without it, holding
+the table's claim (``slot + 1``) for the few hundred nanoseconds it takes. Every hold that writes a table takes the claim first
 (0 -> -1) and gives it back before the hold ends, so the two never write
 the same table at once. Callers hold the pool lock.
 

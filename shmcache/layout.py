@@ -235,8 +235,9 @@ TABLE_DTYPE = np.dtype([
 ])
 # A table's ``claim``: 0, nobody; -1, the pool lock's holder (taken, by
 # compare-and-swap from 0, before a hold writes the table, and given back
-# before the hold ends); s + 1, slot s, the table's owner, appending into the
-# table's last block without the pool lock (shmcache/_native/hot_claim.h).
+# before the hold ends); s + 1, slot s without the pool lock: the table's
+# owner appending into the table's last block, or any slot reading its block
+# ids (shmcache/_native/hot_claim.h).
 # See docs/design.md, "Lock-free appends".
 
 for _dt, _size in ((SLOT_DTYPE, 64), (BLOCK_DTYPE, 40), (CHUNK_DTYPE, 64), (TABLE_DTYPE, 128)):

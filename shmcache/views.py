@@ -197,9 +197,10 @@ class SharedBlockTable(BlockTable):
         m = self._m
         p = m._p
         fused = getattr(p.native, "table_ids", None)
-        # C (_hot.table_ids): the read in a hold of the C call's own, not
-        # one that runs Python (the serving path reads it once a request);
-        # None: the path below reads it, or says what is wrong
+        # C (_hot.table_ids): the read under the table's claim with no lock,
+        # or in a hold of the C call's own, never one that runs Python (the
+        # serving path reads it once a request); None: the path below reads
+        # it, or says what is wrong
         if fused is not None and not p.lock.unusable and not p.lock.held:
             ids = fused(self._t, self._rh, p.slot, m._epoch)
             if ids is not None:

@@ -265,13 +265,15 @@ def test_the_fused_append_takes_the_lock_itself_and_refuses_a_stale_table():
 
 
 @pytest.mark.skipif(not shlock.ACCELERATED, reason="the C accelerator is not built")
-def test_the_fused_table_ids_reads_in_one_c_hold_and_refuses_what_python_checks():
-    """table_ids() (a table's block_ids) takes the lock itself, one hold,
-    and changes nothing else; its ids are the Python path's, for a list of
-    one chunk, of many (more than its stack buffer) and for an empty one.
-    It refuses (None) a record no longer the request's, a stale view, a lock
-    this thread holds and a broken chain; block_ids then takes the Python
-    path, which raises for what is wrong."""
+def test_table_ids_reads_under_the_claim_or_in_one_c_hold_and_refuses_what_python_checks():
+    """table_ids() (a table's block_ids) reads under the table's claim with
+    no lock (hot_claim.h), or, while the claim is busy or a pure process is
+    attached, in one C hold of its own; either way it changes nothing and
+    its ids are the Python path's, for a list of one chunk, of many (more
+    than its stack buffer) and for an empty one. It refuses (None) a record
+    no longer the request's, a lock this thread holds with the claim taken,
+    and a broken chain; block_ids then takes the Python path, which raises
+    for what is wrong."""
     m = shmcache.PagedCacheManager(block_size=4, max_blocks=1024)
     try:
         p, nat = m._p, m._p.native
@@ -282,17 +284,23 @@ def test_the_fused_table_ids_reads_in_one_c_hold_and_refuses_what_python_checks(
             ops = int(p.c[L.C_OPS])
             before = bytes(p.raw)
             ids = nat.table_ids(t._t, t._rh, p.slot, m._epoch)
-            assert int(p.c[L.C_OPS]) == ops + 1
-            assert_unchanged_but_the_lock(p, before)
+            assert int(p.c[L.C_OPS]) == ops and bytes(p.raw) == before      # no lock
+            p.c[L.C_PURE] = 1                   # (as if a pure process were attached)
+            try:
+                assert nat.table_ids(t._t, t._rh, p.slot, m._epoch) == ids
+                assert int(p.c[L.C_OPS]) == ops + 1                          # one hold
+                assert nat.table_ids(t._t, t._rh, p.slot, m._epoch + 1) is None  # stale view
+            finally:
+                p.c[L.C_PURE] = 0
             with p.lock:
                 assert ids == m._refs.table_blocks(t._t)
             assert list(t.block_ids) == ids
         assert len(ids) == 302 and len(set(ids)) == 302
         assert nat.table_ids(t._t, t._rh ^ 1, p.slot, m._epoch) is None       # not its id
         assert nat.table_ids(t._t + 1, t._rh, p.slot, m._epoch) is None       # no table
-        assert nat.table_ids(t._t, t._rh, p.slot, m._epoch + 1) is None       # stale view
         assert nat.table_ids(-1, t._rh, p.slot, m._epoch) is None
-        with p.lock:                            # held by this thread: not reentrant
+        with p.lock:
+            m._table_index(t)                   # this hold has the claim: not reentrant
             assert nat.table_ids(t._t, t._rh, p.slot, m._epoch) is None
             assert list(t.block_ids) == ids     # (the Python path)
         g = m.create_block_table("gone")

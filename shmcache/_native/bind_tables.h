@@ -205,7 +205,8 @@ void hot_unclaim_table_py(Hot &self, nb::handle t_) {
 }
 
 // table_ids(t, rhash, slot, epoch) -> the ids of table t's list, or None
-// (the Python path reads them): in a hold of its own (hot_table_ids),
+// (the Python path reads them): under the table's claim without the lock
+// (hot_table_ids_free), or else in a hold of its own (hot_table_ids),
 // sized by the table's length read before the lock, and asked again once
 // when the list grew meanwhile.
 nb::object hot_table_ids_py(Hot &self, nb::handle t_, nb::handle rhash_, nb::handle slot_,
@@ -222,9 +223,12 @@ nb::object hot_table_ids_py(Hot &self, nb::handle t_, nb::handle rhash_, nb::han
         if (room < 0 || room > NCHUNKS(h) * CI)
             return nb::none();
         Ids<256> out(room);
-        int64_t r = retried(self, [&] {
-            return hot_table_ids(h, t, rhash, slot, epoch, out.p, room);
-        });
+        // without the lock, under the table's claim; else in a hold
+        int64_t r = hot_table_ids_free(h, t, rhash, slot, out.p, room);
+        if (r == HOT_SLOW)
+            r = retried(self, [&] {
+                return hot_table_ids(h, t, rhash, slot, epoch, out.p, room);
+            });
         if (r < 0)
             return nb::none();
         if (r <= room) {

@@ -64,34 +64,11 @@ static inline int64_t
 hot_table_ids(HotCore *h, int64_t t, uint64_t rhash, int slot, long long epoch, int32_t *out,
               int64_t room)
 {
-    int64_t len, i, r = HOT_SLOW;
-    int32_t c;
+    int64_t r;
     int e = enter_table(h, t, rhash, slot, epoch);
     if (e)
         return e;
-    len = TF(h, t, P_T_LEN);
-    c = TF(h, t, P_T_HEAD);
-    if (len < 0 || len > NCHUNKS(h) * CI)
-        goto done;
-    if (len > room) {
-        r = len;
-        goto done;
-    }
-    for (i = 0; i < len; i++) {
-        int32_t b;
-        if (i && i % CI == 0)
-            c = W(h, (int64_t)c * CW);
-        if (!IS_CHUNK(h, c))
-            goto done;
-        b = W(h, (int64_t)c * CW + 1 + i % CI);
-        if (!IS_BLOCK(h, b))
-            goto done;
-        out[i] = b;
-    }
-    if (len && c != TF(h, t, P_T_TAIL))
-        goto done;
-    r = len;
-done:
+    r = read_table_ids(h, t, out, room);
     leave(h, 0);
     return r;
 }

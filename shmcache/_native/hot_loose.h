@@ -290,7 +290,8 @@ hot_free(HotCore *h, const int32_t *bs, int64_t n, int slot, long long epoch, LM
             REF(h, b) = x;
             if (x == 0) {
                 freed++;
-                __atomic_fetch_sub(&h->c[CT], TOK(h, b), __ATOMIC_RELAXED);  /* as free_block */
+                if (TOK(h, b))      /* as free_block (atomic: hot_claim.h) */
+                    __atomic_fetch_sub(&h->c[CT], TOK(h, b), __ATOMIC_RELAXED);
                 free_list_put(h, b, cached);
             }
         }

@@ -175,7 +175,8 @@ hot_table_drop(HotCore *h, int64_t t)
             REF(h, b) = x;
             if (x)
                 continue;
-            __atomic_fetch_sub(&h->c[CT], TOK(h, b), __ATOMIC_RELAXED);  /* as free_block */
+            if (TOK(h, b))      /* as free_block (atomic: hot_claim.h) */
+                __atomic_fetch_sub(&h->c[CT], TOK(h, b), __ATOMIC_RELAXED);
             free_list_put(h, b, FLAGS(h, b) & CACHED);
             C(h, P_C_NUM_FREE) += 1;
         }

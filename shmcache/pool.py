@@ -292,6 +292,12 @@ class Pool(SlotOps):
             return False
         logger.warning("pool %r: previous lock holder died mid-update; repairing", self.name)
         self._await_dead_holder()
+        # NOTE: from here this process is the holder a repair would wait for:
+        # if it dies in this hold (repairing, or in the op that follows, the
+        # pool dirty all along), the next repair must wait for its liveness
+        # byte, not the earlier holder's, whose slot this repair frees and a
+        # new process may take (a wait on a live slot lasts its whole timeout)
+        self.c[L.C_HOLDER] = self.slot
         self._repairing = True      # (corruption met while repairing repairs nothing)
         try:
             recovery.repair(self)

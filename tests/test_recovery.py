@@ -157,6 +157,48 @@ def test_killed_holding_the_lock_blocks_nobody(make_pool, spawn):
     assert mgr.check() == [] and mgr.free_blocks == 15
 
 
+def _slot_of(mgr, pid: int) -> int:
+    slots = [int(s) for s in range(mgr._p.layout.max_slots)
+             if mgr._p.slots["state"][s] == 1 and mgr._p.slots["pid"][s] == pid]
+    assert len(slots) == 1, f"pid {pid} holds slots {slots}"
+    return slots[0]
+
+
+@pytest.mark.timeout(60)
+def test_a_repairer_killed_in_its_hold_is_the_holder_waited_for(make_pool, spawn):
+    """A process repairs, then dies in the same hold; the slot of the holder
+    it repaired after is reused by a new process. The next repair must wait
+    for the repairer's liveness byte, not that live slot's (it once waited
+    its whole 2 s timeout: a stall of every process, seen under kills)."""
+    mgr = make_pool(max_blocks=16, **LAYOUT)
+    p1 = spawn("serve", mgr.name)
+    p1.ready()
+    s1 = _slot_of(mgr, p1.pid)
+    assert p1.call("lock_enter") is True             # holds the lock, the pool dirty
+    p1.kill()
+    p2 = spawn("serve", mgr.name)                    # attaches: cannot repair yet
+    p2.ready()
+    s2 = _slot_of(mgr, p2.pid)
+    assert p2.call("lock_enter") is True             # repairs, frees s1, keeps the lock
+    assert mgr._p.c[L.C_DIRTY] == 1
+    assert mgr._p.c[L.C_HOLDER] == s2, "the repairer did not name itself the holder"
+    p2.kill()
+    p3 = spawn("serve", mgr.name)                    # attaches into the freed slot s1
+    p3.ready()
+    assert _slot_of(mgr, p3.pid) == s1, "setup: the new process did not take s1"
+    t0 = time.monotonic()
+    b = mgr.allocate_block()                         # the parent repairs
+    waited = time.monotonic() - t0
+    assert waited < 1.0, f"the repair waited {waited:.2f} s on a live slot"
+    assert mgr.check() == []
+    mgr.free_block(b)
+    mgr.reclaim_dead()
+    assert dead_entries(mgr) == []
+    p3.stop()
+    assert p3.wait(timeout=30) == 0
+    assert mgr.check() == [] and mgr.free_blocks == 15
+
+
 # ------------------------------------------------------------ corrupt records
 def test_repair_cuts_a_list_at_an_id_naming_no_block(manager):
     """Recovery walks every list bounded: a table is cut before the first id

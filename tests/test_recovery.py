@@ -158,8 +158,7 @@ def test_killed_holding_the_lock_blocks_nobody(make_pool, spawn):
 
 
 def _slot_of(mgr, pid: int) -> int:
-    slots = [int(s) for s in range(mgr._p.layout.max_slots)
-             if mgr._p.slots["state"][s] == 1 and mgr._p.slots["pid"][s] == pid]
+    slots = [h["slot"] for h in mgr.holdings() if h["pid"] == pid]
     assert len(slots) == 1, f"pid {pid} holds slots {slots}"
     return slots[0]
 

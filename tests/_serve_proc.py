@@ -10,10 +10,10 @@ fixture). The clients are the official ``openai`` client and raw ``httpx``.
 
 The answers are checked against mlx-lm itself (:class:`Reference`): greedy
 tokens must equal ``mlx_lm.generate.generate_step`` run in this process on
-the same model directory with ``prefill_step_size`` = the block size (the
-engine prefills in the same block-aligned chunks, so the tokens do not depend
-on what was cached, which worker ran the request, or whether it was re-run
-after a worker died). The demo tokenizer is byte-level (one token per byte),
+the same model directory with its default ``prefill_step_size``, whatever
+was cached, which worker ran the request, or whether it was re-run after a
+worker died (the engine's chunks start at the cache-hit boundary, so they
+differ from mlx-lm's on a warm run: the tokens must not). The demo tokenizer is byte-level (one token per byte),
 so the text and ``completion_tokens`` together pin the tokens down.
 
 Every server is stopped by SIGTERM in a ``finally`` (SIGKILL, for it and its
@@ -84,8 +84,7 @@ class Reference:
         if key not in self._memo:
             from mlx_lm.generate import generate_step
             toks = []
-            for tok, _ in generate_step(mx.array(prompt), self.model, max_tokens=max_tokens,
-                                        prefill_step_size=BS):
+            for tok, _ in generate_step(mx.array(prompt), self.model, max_tokens=max_tokens):
                 toks.append(int(tok))
                 if toks[-1] in self.eos:
                     break

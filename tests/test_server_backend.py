@@ -146,3 +146,37 @@ def test_worker_killed_mid_request_is_rerun(model_dir, reference):
         assert r.usage.prompt_tokens_details.cached_tokens == (len(prompt) - 1) // BS * BS
         # nothing the killed worker held is still in use (reclaimed)
         assert srv.wait_idle()["cached"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_a_new_shared_prefix_is_computed_once_and_spreads_over_workers(model_dir, reference):
+    """Four requests arrive together with a prefix nobody has computed. The
+    first one computes it; the others wait for its blocks (not for that
+    worker's queue) and then run on the least-loaded workers, so both
+    workers serve while the prefix is computed once. /metrics shows the
+    running samples per worker."""
+    with serving(model_dir, "--workers", 2, "--max-blocks", 256) as srv:
+        client = srv.client()
+        rng = random.Random(808)
+        prefix = printable(rng, 300)
+        full = (len(prefix)) // BS * BS
+        prompts = [prefix + printable(rng, 5 + 9 * i) for i in range(4)]
+        w0, w1 = srv.worker_procs()
+        cpu = [sum(w.cpu_times()[:2]) for w in (w0, w1)]
+
+        def ask(p):
+            return p, client.completions.create(model=MODEL_NAME, prompt=p, max_tokens=40,
+                                                temperature=0)
+
+        with ThreadPoolExecutor(4) as ex:
+            answers = list(ex.map(ask, prompts))
+        cached = sorted(r.usage.prompt_tokens_details.cached_tokens for _, r in answers)
+        for p, r in answers:
+            assert got(r) == reference.greedy(p, 40), f"prompt of {len(p)} tokens"
+        # computed once: one request found nothing, every other one the whole prefix
+        assert cached[0] < full and all(c >= full for c in cached[1:]), cached
+        used = [sum(w.cpu_times()[:2]) - c for w, c in zip((w0, w1), cpu)]
+        assert min(used) >= 0.05, f"a worker stayed idle: cpu seconds {used}"
+        text = srv.get("/metrics").text
+        for idx in (0, 1):
+            assert f'shmcache_worker_requests_running{{worker="{idx}"}}' in text

@@ -4,9 +4,14 @@
 model), starts ``--workers`` worker processes (``shmcache.server.worker``)
 that attach to it by name, and sends each request to the least-loaded live
 worker. The cache is shared, so any worker finds any other's prefixes: no
-cache-aware routing is needed. One exception: a request whose first block
-is being prefilled by a worker right now goes to that worker, so that two
-workers never compute one uncached prefix at the same time.
+cache-aware routing is needed. One rule keeps a prefix from being computed
+twice at once: a request whose prompt shares whole blocks with a prompt
+that some worker is prefilling right now waits, here, until those blocks
+are published (the worker's ``Progress``), and then goes to the
+least-loaded worker like any other; with one system prompt under load,
+every worker is busy, and the prompt is computed once. A worker's load
+counts the samples it runs or will run plus its prefill work still to do,
+in steps of ``prefill_step`` tokens.
 
 When a worker dies, the pool releases what it held (``reclaim_dead``), a
 new worker is started in its place, and its requests are re-run on the
@@ -57,6 +62,7 @@ class _Flight:
         self.started = False
         self.delivered = [0] * params.n        # tokens delivered per sample
         self.seen = [0] * params.n             # tokens seen in the current run
+        self.progress = 0                      # prompt tokens in the pool (this run's prefill)
         self.done = [False] * params.n
 
 
@@ -82,7 +88,8 @@ class WorkerBackend(WorkerLifecycle):
                  block_size: int = 16, max_n: int = 16, pool_name: Optional[str] = None,
                  max_batch: int = 32, l2: Optional[str] = None,
                  cluster_secret: Optional[str] = None, l2_timeout: Optional[float] = None,
-                 l2_retry: Optional[float] = None, l2_ttl: Optional[int] = None) -> None:
+                 l2_retry: Optional[float] = None, l2_ttl: Optional[int] = None,
+                 prefill_step: int = 512) -> None:
         from mlx_lm.utils import load_tokenizer
         self.path = Path(model)
         if not (self.path / "config.json").is_file():
@@ -94,6 +101,8 @@ class WorkerBackend(WorkerLifecycle):
         self.block_size = block_size
         self.max_blocks = max_blocks
         self.max_batch = max_batch
+        self.prefill_step = max(block_size, prefill_step // block_size * block_size)
+        self._changed = asyncio.Event()    # set (and replaced) when a flight moves on
         self.pool_name = pool_name or f"serve-{os.getpid()}"
         self.mgr = None
         self.workers: list = []
@@ -111,37 +120,65 @@ class WorkerBackend(WorkerLifecycle):
             check_url(l2)
 
     # -------------------------------------------------------------- routing
+    def _live(self) -> list:
+        return [w for w in self.workers if w.ready.is_set() and w.proc.returncode is None]
+
+    def _load(self, w: WorkerProc) -> float:
+        """Samples ``w`` runs or will run, plus its prefill still to do (in steps)."""
+        load = 0.0
+        for f in w.flights.values():
+            load += f.gen.params.n
+            if not f.started:
+                load += max(0, len(f.gen.prompt) - f.progress) / self.prefill_step
+        return load
+
     def _pick(self) -> Optional[WorkerProc]:
-        live = [w for w in self.workers if w.ready.is_set() and w.proc.returncode is None]
+        live = self._live()
         if not live:
             return None
-        return min(live, key=lambda w: (sum(f.gen.params.n for f in w.flights.values()), w.idx))
+        return min(live, key=lambda w: (self._load(w), w.idx))
 
-    def _prefilling_same_prefix(self, f: _Flight) -> Optional[WorkerProc]:
-        """A live worker that is prefilling a request whose first block is
-        ``f``'s: sent there, ``f`` finds that prefix published instead of
-        computing it a second time in parallel (a worker prefills one
-        request at a time)."""
-        head = f.gen.prompt[:self.block_size]
-        if len(head) < self.block_size:
-            return None
-        for w in self.workers:
-            if w.ready.is_set() and w.proc.returncode is None and any(
-                    not g.started and g.gen.prompt[:self.block_size] == head
-                    and g.gen.params.salt == f.gen.params.salt for g in w.flights.values()):
-                return w
-        return None
+    def _shared_blocks_pending(self, f: _Flight) -> bool:
+        """Whether a request being prefilled on a live worker will publish
+        blocks of ``f``'s prompt that are not published yet (same salt,
+        same tokens from position 0, whole blocks of ``prompt[:-1]``)."""
+        bs = self.block_size
+        mine = f.gen.prompt
+        for w in self._live():
+            for g in w.flights.values():
+                if g.started or g.gen.params.salt != f.gen.params.salt:
+                    continue
+                theirs = g.gen.prompt
+                limit = min(len(mine), len(theirs)) - 1
+                done = g.progress // bs * bs
+                if done + bs > limit or mine[done:done + bs] != theirs[done:done + bs] \
+                        or mine[:bs] != theirs[:bs]:
+                    continue
+                if mine[:done] == theirs[:done]:
+                    return True
+        return False
+
+    def _moved(self) -> None:
+        """Wake the requests waiting in ``_dispatch``."""
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     async def _dispatch(self, f: _Flight) -> None:
-        w = self._prefilling_same_prefix(f) or self._pick()
-        while w is None:
+        while True:
             if self._closing:
                 f.q.put_nowait(Error("the server is shutting down", 503))
                 return
-            await asyncio.sleep(0.05)
-            w = self._pick()
+            w = None if self._shared_blocks_pending(f) else self._pick()
+            if w is not None:
+                break
+            changed = self._changed
+            try:
+                await asyncio.wait_for(changed.wait(), 0.25)
+            except asyncio.TimeoutError:
+                pass
         f.worker = w
         f.seen = [0] * len(f.seen)
+        f.progress = 0
         w.flights[f.gen.id] = f
         w.send(f.gen)
 
@@ -170,6 +207,7 @@ class WorkerBackend(WorkerLifecycle):
         finally:
             if not all(f.done) and f.worker is not None:
                 f.worker.flights.pop(f.gen.id, None)
+                self._moved()
                 try:
                     f.worker.send(wire.Cancel(f.gen.id))
                 except Exception:        # the worker is gone; nothing to cancel
@@ -203,7 +241,9 @@ class WorkerBackend(WorkerLifecycle):
                    worker_restarts=self.restarts,
                    workers_alive=sum(1 for w in self.workers if w.ready.is_set()
                                      and w.proc.returncode is None),
-                   working_bytes=sum(w.working_bytes for w in self.workers))
+                   working_bytes=sum(w.working_bytes for w in self.workers),
+                   worker_running={w.idx: sum(f.gen.params.n for f in w.flights.values()
+                                              if f.started) for w in self.workers})
         if self.l2_url:
             out.update(self.l2_stats())
         return out
@@ -239,10 +279,17 @@ class WorkerBackend(WorkerLifecycle):
                         f.q.put_nowait(SampleDone(sample, reason))
                 if all(f.done):
                     w.flights.pop(rid, None)
+                    self._moved()
+        elif isinstance(msg, wire.Progress):
+            f = w.flights.get(msg.id)
+            if f is not None:
+                f.progress = msg.stored
+                self._moved()
         elif isinstance(msg, wire.Admitted):
             f = w.flights.get(msg.id)
             if f is None:
                 return
+            self._moved()
             # every admission (the first, a re-run after a preemption, or on
             # another worker after a death) generates from the first token
             # again: count anew, and pass on only what was not delivered
@@ -252,6 +299,7 @@ class WorkerBackend(WorkerLifecycle):
                 f.q.put_nowait(Started(msg.prompt_tokens, msg.cached_tokens, w.idx))
         elif isinstance(msg, wire.Failed):
             f = w.flights.pop(msg.id, None)
+            self._moved()
             if f is not None:
                 f.q.put_nowait(Error(msg.message, msg.status))
         elif isinstance(msg, wire.Load):
@@ -260,3 +308,4 @@ class WorkerBackend(WorkerLifecycle):
                 w.l2 = msg.l2
         elif isinstance(msg, wire.Ready):
             w.ready.set()
+            self._moved()

@@ -4,18 +4,31 @@ One :class:`Engine` per worker process. Between decode steps it admits
 waiting requests; each decode step is one batched forward pass over every
 running sample.
 
-Admission (one request at a time):
+Admission and prefill share the step with decode. A request that reaches
+the head of the queue when the batch has room for its samples starts its
+prefill:
 * acquire the longest published prefix of ``prompt[:-1]`` (one atomic
-  lookup-and-reference) and read it from the pool, once, into the request's
-  working buffers (:func:`shmcache.mlx_lm.load_prefix`);
-* prefill the rest in chunks that end on block boundaries, then the last
-  prompt token alone, as mlx-lm's ``generate_step`` with
-  ``prefill_step_size = block_size`` does: every chunk starts at the same
-  absolute position whoever computes it, and the pool stores K/V in the
-  model's dtype, so the tokens never depend on what was cached;
-* write each chunk's K/V through to the pool and publish full blocks;
+  lookup-and-reference, as late as possible, so that it sees what every
+  other worker published until then) and read it from the pool, once, into
+  the request's working buffers (:func:`shmcache.mlx_lm.load_prefix`);
+* compute the rest of ``prompt[:-1]`` in chunks of up to ``prefill_step``
+  tokens (a multiple of the block size: every chunk after the cache-hit
+  boundary ends on a block boundary or at the prompt's end), then the last
+  prompt token alone, as mlx-lm's ``generate_step`` does with its
+  ``prefill_step_size``;
+* write each chunk's K/V through to the pool and publish the full blocks
+  right away (another worker's request with the same prefix, held back by
+  the supervisor, starts as soon as the blocks it shares are published:
+  ``Progress``);
 * fork the table for samples 1..n-1 and add every sample as a row of the
   running batch (``PoolBatchKVCache.extend``).
+
+INVARIANT: a step spends at most ``prefill_step`` prompt tokens on prefill
+before its decode step, so the running rows get a token every step
+whatever is being admitted (chunked prefill mixed with decode, as vLLM's
+scheduler budgets tokens per step). Prefills run one after another, in
+arrival order; several short ones (cache hits) fit in one step's budget.
+A cancelled request stops between two chunks.
 
 A decode step reserves one slot per row (``prepare_append``: copy-on-write
 of a shared partial block), runs the model on the batch, samples each row
@@ -72,6 +85,16 @@ class _Req:
     preemptions: int = 0
 
 
+@dataclass
+class _Prefill:
+    """A request whose prompt is being computed: its sequence holds the
+    cached prefix and every chunk computed so far (``seq.stored``)."""
+    req: _Req
+    seq: PoolSequence
+    caches: list                    # one PoolKVCache per layer: the working buffers
+    cached: int                     # prompt tokens found in the pool
+
+
 class Engine:
     """Runs requests of one worker over one manager attached to the pool.
 
@@ -80,13 +103,16 @@ class Engine:
         model: an mlx-lm model whose layers all use plain K/V caches.
         eos_ids: token ids that end a sample.
         emit: ``emit(kind, payload)``, called with ("admitted", (id,
-            prompt_tokens, cached_tokens)), ("step", [(id, sample, token,
-            reason)]) and ("failed", (id, message, status)).
+            prompt_tokens, cached_tokens)), ("progress", (id, tokens
+            stored)), ("step", [(id, sample, token, reason)]) and ("failed",
+            (id, message, status)).
         max_batch: the most samples decoded together.
+        prefill_step: the most prompt tokens computed per step (rounded
+            down to a multiple of the block size, at least one block).
     """
 
-    def __init__(self, mgr, model, eos_ids, emit, worker_id: int = 0, max_batch: int = 32
-                 ) -> None:
+    def __init__(self, mgr, model, eos_ids, emit, worker_id: int = 0, max_batch: int = 32,
+                 prefill_step: int = 512) -> None:
         self.mgr = mgr
         self.model = model
         self.eos = set(eos_ids)
@@ -94,7 +120,9 @@ class Engine:
         self.wid = worker_id
         self.max_batch = max_batch
         self.bs = mgr.block_size
+        self.prefill_step = max(self.bs, prefill_step // self.bs * self.bs)
         self.waiting: deque = deque()
+        self.prefilling: Optional[_Prefill] = None
         self.rows: list = []
         self.batch: Optional[list] = None          # one PoolBatchKVCache per layer
         self.preemptions = 0
@@ -114,22 +142,29 @@ class Engine:
             return
         if req in self.waiting:
             self.waiting.remove(req)
+        pf = self.prefilling
+        if pf is not None and pf.req is req:
+            self.prefilling = None
+            pf.seq.release()
         self._drop_rows(req)
 
     @property
     def busy(self) -> bool:
-        return bool(self.rows or self.waiting)
+        return bool(self.rows or self.waiting or self.prefilling)
 
     def working_bytes(self) -> int:
         return sum(c.nbytes for c in self.batch) if self.batch else 0
 
     def step(self) -> None:
-        """Admit what fits, then one decode step."""
+        """Up to ``prefill_step`` prompt tokens of prefill, then one decode step."""
         self._admit()
         if self.rows:
             self._decode()
 
     def close(self) -> None:
+        if self.prefilling is not None:
+            self.prefilling.seq.release()
+            self.prefilling = None
         for req in list(self._reqs.values()):
             self._drop_rows(req)
         self._reqs.clear()
@@ -137,53 +172,97 @@ class Engine:
 
     # ------------------------------------------------------------ admission
     def _admit(self) -> None:
-        while self.waiting and len(self.rows) + self.waiting[0].gen.params.n <= self.max_batch:
-            req = self.waiting.popleft()
+        budget = self.prefill_step
+        while budget > 0:
+            if self.prefilling is None:
+                if not self.waiting or \
+                        len(self.rows) + self.waiting[0].gen.params.n > self.max_batch:
+                    return
+                req = self.waiting.popleft()
+                try:
+                    self.prefilling = self._start(req)
+                except Exception as e:
+                    self._fail(req, e)
+                    continue
+            pf = self.prefilling
             try:
-                ok = self._prefill(req)
-            except Exception as e:          # a bug or bad input: fail this request only
-                log.exception("request %d failed", req.gen.id)
-                self._reqs.pop(req.gen.id, None)
-                self._drop_rows(req)
-                self.emit("failed", (req.gen.id, f"{type(e).__name__}: {e}", 500))
+                used, logits = self._prefill_chunk(pf, budget)
+            except Exception as e:
+                self.prefilling = None
+                pf.seq.release()         # a failed prefill holds nothing
+                if isinstance(e, OutOfBlocksError):
+                    # others hold the blocks: try again after the next step
+                    # (from its prompt: the published chunks stay cached)
+                    self.waiting.appendleft(pf.req)
+                    return
+                self._fail(pf.req, e)
                 continue
-            if not ok:
-                # out of blocks with nothing of ours to preempt: others hold
-                # them; try again after the next step
-                self.waiting.appendleft(req)
-                break
+            budget -= used
+            if logits is None:
+                if used == 0:
+                    return               # the next chunk does not fit this step's budget
+                continue
+            self.prefilling = None
+            try:
+                self._to_rows(pf, logits)
+            except Exception as e:
+                self._fail(pf.req, e)
+
+    def _fail(self, req: _Req, e: BaseException) -> None:
+        """A bug or bad input: fail this request only."""
+        log.error("request %d failed: %s: %s", req.gen.id, type(e).__name__, e,
+                  exc_info=not isinstance(e, (ValueError, OutOfBlocksError)))
+        self._reqs.pop(req.gen.id, None)
+        self._drop_rows(req)
+        self.emit("failed", (req.gen.id, f"{type(e).__name__}: {e}", 500))
 
     def _tables(self, req: _Req, sample: int) -> str:
         return f"w{self.wid}.r{req.gen.id}.a{req.attempt}.s{sample}"
 
-    def _prefill(self, req: _Req) -> bool:
-        g, p = req.gen, req.gen.params
-        prompt = g.prompt
+    def _start(self, req: _Req) -> _Prefill:
+        """Take the longest cached prefix (L1, then L2: never raises for an
+        L2 fault) and load it into new working buffers."""
+        p = req.gen.params
         extra = (p.salt,) if p.salt else None
-        mgr, bs = self.mgr, self.bs
-        # the longest cached prefix: L1, then L2 (never raises for an L2 fault)
-        seq = PoolSequence.acquire(mgr, self._tables(req, 0), prompt[:-1], extra)
-        table, cached = seq.table, seq.stored
-        caches = make_pool_cache(self.model, seq)
-        load_prefix(caches)
+        seq = PoolSequence.acquire(self.mgr, self._tables(req, 0), req.gen.prompt[:-1], extra)
         try:
-            pos = cached
-            end = len(prompt) - 1
-            while pos < end:                       # block-aligned chunks
-                stop = min(end, (pos // bs + 1) * bs)
-                self._forward_reserved(req, seq, caches, prompt[pos:stop])
-                self._publish(seq, prompt)
-                pos = stop
-            logits = self._forward_reserved(req, seq, caches, prompt[-1:])
-            self._publish(seq, prompt)
-        except BaseException as e:
-            # a failed prefill holds nothing: out of blocks it is retried
-            # later, anything else fails the request (the caller reports it)
-            mgr.delete_block_table(table.request_id)
-            if isinstance(e, OutOfBlocksError):
-                return False
+            caches = make_pool_cache(self.model, seq)
+            load_prefix(caches)
+        except BaseException:
+            seq.release()
             raise
-        self.emit("admitted", (g.id, len(prompt), cached))   # the supervisor keeps the first
+        self.emit("progress", (req.gen.id, seq.stored))
+        return _Prefill(req, seq, caches, seq.stored)
+
+    def _prefill_chunk(self, pf: _Prefill, budget: int):
+        """Compute the next chunk of ``pf``'s prompt within ``budget`` tokens.
+
+        Returns ``(tokens computed, None)``, or ``(1, logits)`` once the last
+        prompt token is computed. A chunk that stops short of the prompt
+        ends on a block boundary (the pool's chunks are the same whoever
+        computes them); ``(0, None)`` when none fits the budget.
+        """
+        prompt, bs = pf.req.gen.prompt, self.bs
+        pos, end = pf.seq.stored, len(prompt) - 1
+        if pos < end:
+            n = min(end - pos, budget)
+            if pos + n < end:
+                n = (pos + n) // bs * bs - pos
+            if n <= 0:
+                return 0, None
+            self._forward_reserved(pf.seq, pf.caches, prompt[pos:pos + n])
+            pf.seq.publish(prompt)
+            self.emit("progress", (pf.req.gen.id, pf.seq.stored))
+            return n, None
+        logits = self._forward_reserved(pf.seq, pf.caches, prompt[-1:])
+        pf.seq.publish(prompt)
+        return 1, logits
+
+    def _to_rows(self, pf: _Prefill, logits) -> None:
+        """The prompt is computed: its samples become rows of the batch."""
+        req, seq, caches = pf.req, pf.seq, pf.caches
+        g, p = req.gen, req.gen.params
+        self.emit("admitted", (g.id, len(g.prompt), pf.cached))   # the supervisor keeps the first
         # samples 1..n-1 fork the table; their working buffers start as views
         # of sample 0's (MLX arrays are values: later writes never alias)
         rows = [_Row(req, 0, seq)]
@@ -210,13 +289,8 @@ class Engine:
         first = [self._sample(r, logits[0]) for r in rows]
         self._add_rows(rows, per_row)
         self._advance(list(zip(rows, first)))
-        return True
 
-    def _publish(self, seq: PoolSequence, tokens) -> None:
-        """Publish the sequence's full blocks (and queue the new ones for L2)."""
-        seq.publish(tokens)
-
-    def _forward_reserved(self, req, seq, caches, tokens):
+    def _forward_reserved(self, seq, caches, tokens):
         seq.reserve(len(tokens))
         out = self.model(mx.array(tokens)[None], cache=caches)[:, -1, :]
         mx.eval(out)
@@ -291,12 +365,12 @@ class Engine:
                 finished.add(id(r))
             else:
                 # publish the blocks that filled (prompt + generated tokens)
-                self._publish(r.seq, r.req.gen.prompt + r.generated)
+                r.seq.publish(r.req.gen.prompt + r.generated)
         self.emit("step", items)
         if finished:
             for r in self.rows:
                 if id(r) in finished:
-                    self._publish(r.seq, r.req.gen.prompt + r.generated[:-1])
+                    r.seq.publish(r.req.gen.prompt + r.generated[:-1])
                     r.seq.release()
             keep = [r for r in self.rows if id(r) not in finished]
             for req in {r.req.gen.id: r.req for r in self.rows if id(r) in finished}.values():

@@ -107,6 +107,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV blocks in the shared pool (default: sized by the backend)")
     p.add_argument("--block-size", metavar="N", type=_positive, default=16,
                    help="tokens per KV block, the prefix-cache granularity (default: %(default)s)")
+    p.add_argument("--prefill-step", metavar="N", type=_positive, default=512,
+                   help="prompt tokens a worker computes per step before it decodes one token "
+                        "for its running requests (rounded down to whole blocks; default: "
+                        "%(default)s). Larger: faster prefill; smaller: shorter pauses in the "
+                        "replies streaming from the same worker")
     g = p.add_argument_group("L2 (a Redis tier shared by hosts)")
     g.add_argument("--l2", metavar="URL", type=_redis_url, default=None,
                    help="redis://HOST:PORT[/DB] (rediss:// for TLS): a Redis or Valkey server "
@@ -181,6 +186,7 @@ def run(args) -> int:
         if getattr(args, "cluster_secret", None) and not l2:
             log.warning("--cluster-secret without --l2 does nothing")
         backend = WorkerBackend(model=model, workers=args.workers, max_blocks=args.max_blocks,
+                                prefill_step=args.prefill_step,
                                 block_size=args.block_size, l2=l2,
                                 cluster_secret=secret if l2 else None,
                                 l2_timeout=getattr(args, "l2_timeout", None),

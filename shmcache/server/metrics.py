@@ -78,6 +78,13 @@ class _BackendCollector:
                     continue
                 fam.add_metric([], float(values[key]))
             yield fam
+        fam = GaugeMetricFamily(f"{PREFIX}_worker_requests_running",
+                                "samples a worker is decoding now (its prefill is done)",
+                                labels=["worker"])
+        if values is not None:
+            for idx, n in sorted(values.get("worker_running", {}).items()):
+                fam.add_metric([str(idx)], float(n))
+        yield fam
 
     def describe(self):
         return list(self._families(None))

@@ -50,6 +50,14 @@ class Admitted(msgspec.Struct, tag="admitted"):
     cached_tokens: int
 
 
+class Progress(msgspec.Struct, tag="progress"):
+    """A prefill's progress: the request's first ``stored`` prompt tokens are
+    in the pool, their full blocks published (sent after the cached prefix
+    is taken and after each chunk)."""
+    id: int
+    stored: int
+
+
 class Step(msgspec.Struct, tag="step"):
     """One decode step's tokens: (request id, sample, token, finish reason or "")."""
     items: list[tuple[int, int, int, str]]
@@ -71,7 +79,7 @@ class Load(msgspec.Struct, tag="load"):
     l2: dict[str, int] = {}        # the L2 tier's counters (shmcache.l2.COUNTERS, "up"), if any
 
 
-FromWorker = Union[Ready, Admitted, Step, Failed, Load]
+FromWorker = Union[Ready, Admitted, Progress, Step, Failed, Load]
 
 _LEN = struct.Struct("<I")
 

@@ -40,6 +40,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--id", type=int, default=0)
     ap.add_argument("--max-batch", type=int, default=32)
+    ap.add_argument("--prefill-step", type=int, default=512)
     ap.add_argument("--l2", default=None, help="the L2's Redis URL")
     ap.add_argument("--l2-model-id", default=None, help="the model's identity in L2 keys")
     ap.add_argument("--l2-timeout", type=float, default=None)
@@ -77,12 +78,15 @@ def main(argv=None) -> int:
     def emit(kind, payload):
         if kind == "admitted":
             writer.send(wire.Admitted(*payload))
+        elif kind == "progress":
+            writer.send(wire.Progress(*payload))
         elif kind == "step":
             writer.send(wire.Step(payload))
         elif kind == "failed":
             writer.send(wire.Failed(*payload))
 
-    engine = Engine(mgr, model, tokenizer.eos_token_ids, emit, args.id, args.max_batch)
+    engine = Engine(mgr, model, tokenizer.eos_token_ids, emit, args.id, args.max_batch,
+                    args.prefill_step)
     q: queue.Queue = queue.Queue()
     threading.Thread(target=_reader, args=(q,), daemon=True).start()
     writer.send(wire.Ready(args.id, os.getpid()))

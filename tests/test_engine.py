@@ -1,0 +1,148 @@
+"""The worker's generation engine (``shmcache.server.engine.Engine``) in this
+process, over a real pool and real mlx-lm models (llama, qwen2, qwen3 with
+random weights: the ``lm`` fixture of ``_mlx_lm``).
+
+* Greedy tokens equal mlx-lm's ``generate_step`` with its default
+  ``prefill_step_size``, cold and warm, although the engine prefills in
+  chunks of ``prefill_step`` tokens that start at the cache-hit boundary.
+* Chunked prefill shares the step with decode: while a long prompt is
+  computed, a running request gets one token every step, and no step
+  computes more than ``prefill_step`` prompt tokens.
+* A request cancelled in the middle of its prefill stops there: its table
+  is deleted, the blocks it published stay cached.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from _mlx_lm import BS, lm, pools  # noqa: F401  (fixtures)
+import mlx.core as mx  # noqa: E402
+from mlx_lm.generate import generate_step  # noqa: E402
+
+from shmcache.server.engine import Engine  # noqa: E402
+from shmcache.server.protocol import SamplingParams  # noqa: E402
+from shmcache.server.wire import Gen  # noqa: E402
+
+__all__ = ["lm", "pools"]
+
+
+def reference(model, prompt, n):
+    """mlx-lm's greedy tokens, its default prefill_step_size."""
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+
+
+class Events:
+    def __init__(self):
+        self.tokens: dict = {}
+        self.admitted: dict = {}
+        self.progress: list = []
+        self.steps: list = []
+        self.failed: list = []
+
+    def __call__(self, kind, payload):
+        if kind == "step":
+            self.steps.append(payload)
+            for rid, sample, tok, _ in payload:
+                self.tokens.setdefault(rid, []).append(tok)
+        elif kind == "admitted":
+            self.admitted[payload[0]] = payload
+        elif kind == "progress":
+            self.progress.append(payload)
+        elif kind == "failed":
+            self.failed.append(payload)
+
+
+def gen(rid, prompt, max_tokens):
+    return Gen(rid, list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0), 1)
+
+
+def run(engine, limit=10_000):
+    for _ in range(limit):
+        if not engine.busy:
+            return
+        engine.step()
+    raise AssertionError("the engine did not finish")
+
+
+@pytest.mark.timeout(300)
+def test_greedy_tokens_equal_mlx_lm_default_prefill_cold_and_warm(lm, pools):  # noqa: F811
+    pool = pools(block_size=BS, max_blocks=512, **lm.layout)
+    ev = Events()
+    # prefill_step of 2 blocks: mlx-lm computes these prompts in one chunk
+    eng = Engine(pool, lm.model, [], ev, prefill_step=2 * BS)
+    rng = random.Random(5)
+    vocab = lm.model.args.vocab_size
+    shared = [rng.randrange(vocab) for _ in range(5 * BS + 3)]
+    prompts = [shared + [rng.randrange(vocab) for _ in range(k)] for k in (1, 9, 40)]
+    want = [reference(lm.model, p, 12) for p in prompts]
+    eng.submit(gen(1, prompts[0], 12))          # cold
+    run(eng)
+    for i, p in enumerate(prompts[1:], 2):      # warm, and two in one batch
+        eng.submit(gen(i, p, 12))
+    run(eng)
+    assert ev.failed == []
+    assert [ev.tokens[i] for i in (1, 2, 3)] == want
+    assert ev.admitted[1][2] == 0
+    assert ev.admitted[2][2] == ev.admitted[3][2] == len(shared) // BS * BS
+    eng.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_long_prefill_shares_every_step_with_running_decodes(lm, pools):  # noqa: F811
+    if lm.arch != "llama":
+        pytest.skip("one architecture is enough for the scheduling")
+    pool = pools(block_size=BS, max_blocks=512, **lm.layout)
+    ev = Events()
+    eng = Engine(pool, lm.model, [], ev, prefill_step=2 * BS)
+    rng = random.Random(7)
+    vocab = lm.model.args.vocab_size
+    short = [rng.randrange(vocab) for _ in range(10)]
+    long = [rng.randrange(vocab) for _ in range(10 * BS + 5)]
+    eng.submit(gen(1, short, 40))
+    eng.step()
+    assert len(ev.tokens[1]) == 2                   # prefilled, then one decode step
+    eng.submit(gen(2, long, 4))
+    steps = 0
+    before = 0
+    while 2 not in ev.admitted:
+        n1 = len(ev.tokens[1])
+        eng.step()
+        steps += 1
+        assert len(ev.tokens[1]) == n1 + 1, "the running request got no token this step"
+        stored = max((s for rid, s in ev.progress if rid == 2), default=0)
+        assert stored - before <= 2 * BS, "a step computed more than prefill_step tokens"
+        before = stored
+    assert steps >= 5                               # 165 tokens at 32 a step
+    run(eng)
+    assert ev.tokens[1] == reference(lm.model, short, 40)
+    assert ev.tokens[2] == reference(lm.model, long, 4)
+    eng.close()
+
+
+@pytest.mark.timeout(300)
+def test_cancel_in_the_middle_of_a_prefill_stops_it(lm, pools):  # noqa: F811
+    if lm.arch != "llama":
+        pytest.skip("one architecture is enough for the scheduling")
+    pool = pools(block_size=BS, max_blocks=512, **lm.layout)
+    ev = Events()
+    eng = Engine(pool, lm.model, [], ev, prefill_step=2 * BS)
+    rng = random.Random(9)
+    vocab = lm.model.args.vocab_size
+    long = [rng.randrange(vocab) for _ in range(10 * BS + 5)]
+    eng.submit(gen(1, long, 4))
+    eng.step()
+    eng.step()
+    assert eng.prefilling is not None and 1 not in ev.admitted
+    eng.cancel(1)
+    assert not eng.busy
+    assert len(pool.request_tables) == 0            # its table is gone
+    assert pool.get_stats().cached_blocks >= 4      # the chunks it published stay
+    # a later request finds them
+    eng.submit(gen(2, long, 4))
+    run(eng)
+    assert ev.admitted[2][2] >= 4 * BS
+    assert ev.tokens[2] == reference(lm.model, long, 4)
+    eng.close()

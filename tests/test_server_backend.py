@@ -9,6 +9,7 @@ says how, and how it is checked and stopped).
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import signal
@@ -163,6 +164,9 @@ def test_a_new_shared_prefix_is_computed_once_and_spreads_over_workers(model_dir
         prompts = [prefix + printable(rng, 5 + 9 * i) for i in range(4)]
         w0, w1 = srv.worker_procs()
         cpu = [sum(w.cpu_times()[:2]) for w in (w0, w1)]
+        # the CPUs are shared out as BLAS threads
+        share = str(max(1, len(os.sched_getaffinity(0)) // 2))
+        assert [w.environ().get("SHMCACHE_BLAS_THREADS") for w in (w0, w1)] == [share] * 2
 
         def ask(p):
             return p, client.completions.create(model=MODEL_NAME, prompt=p, max_tokens=40,

@@ -97,7 +97,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "tiny demo model, made on first use")
     p.add_argument("--workers", metavar="N", type=_positive, default=default_workers(),
                    help="worker processes generating tokens, all sharing one prefix cache "
-                        f"(default: the number of CPUs, at most 8; here {default_workers()})")
+                        f"(default: the number of CPUs, at most 8; here {default_workers()}); "
+                        "the CPUs are shared out among them as BLAS threads "
+                        "($SHMCACHE_BLAS_THREADS overrides)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default: %(default)s; 0.0.0.0 for every "
                         "interface)")

@@ -34,6 +34,16 @@ log = logging.getLogger("shmcache.server")
 DEFAULT_POOL_BYTES = 1 << 30          # the pool's K/V when --max-blocks is not given
 
 
+
+def blas_threads_per_worker(workers: int) -> int:
+    """BLAS threads for each of ``workers`` processes: this process's CPUs
+    divided among them, at least 1."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, cpus // max(1, workers))
+
 class WorkerProc:
     """One worker process: its pipes, its requests in flight, its reports."""
 
@@ -121,6 +131,9 @@ class WorkerLifecycle:
     async def _spawn(self, w: WorkerProc) -> None:
         w.ready.clear()
         env = dict(os.environ)
+        # the CPUs shared out among the workers: each one's BLAS gets its
+        # share as threads (at least 1), unless the operator chose
+        env.setdefault("SHMCACHE_BLAS_THREADS", str(blas_threads_per_worker(self.n_workers)))
         extra = []
         if self.l2_url:
             if self._l2_secret is not None:

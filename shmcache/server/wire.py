@@ -16,7 +16,7 @@ from typing import Optional, Union
 
 import msgspec
 
-from .protocol import SamplingParams
+from .protocol import SamplingParams, TokenLogprob
 
 
 # ------------------------------------------------------------- to a worker
@@ -51,8 +51,9 @@ class Admitted(msgspec.Struct, tag="admitted"):
 
 
 class Step(msgspec.Struct, tag="step"):
-    """One decode step's tokens: (request id, sample, token, finish reason or "")."""
-    items: list[tuple[int, int, int, str]]
+    """One decode step's tokens: (request id, sample, token, finish reason or
+    "", the token's log probabilities when the request asked for them, else None)."""
+    items: list[tuple[int, int, int, str, Optional[TokenLogprob]]]
 
 
 class Failed(msgspec.Struct, tag="failed"):

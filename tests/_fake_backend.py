@@ -31,7 +31,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from shmcache.server.app import create_app
-from shmcache.server.protocol import SampleDone, Started, Tokens
+from shmcache.server.protocol import SampleDone, Started, TokenLogprob, Tokens
 
 
 MODEL = "fake-model"
@@ -59,6 +59,41 @@ def load_tokenizer(path: Path):
 
 def default_reply(prompt, params, sample) -> str:
     return f"Hello world {sample}! café ☕ naïve end."
+
+
+def fake_logprobs(ids, params) -> list:
+    """The fake's log probabilities: token t gets -t/1000; its top
+    alternatives are t itself, then t+1, t+2, ... (each 1 lower)."""
+    return [TokenLogprob(-t / 1000, [(t + k, -t / 1000 - k) for k in range(params.top_logprobs)])
+            for t in ids]
+
+
+#: a chat template that renders ``tools``, the history's ``tool_calls`` and a
+#: custom ``chat_template_kwargs`` variable (``greeting``), in the demo
+#: model's turn format; its tool calls are mlx-lm's ``json_tools`` format
+TOOL_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if greeting is defined %}{{ greeting }}\n{% endif %}"
+    "{% if tools %}<|system|>\nTools:{% for t in tools %}\n{{ t | tojson }}{% endfor %}"
+    "\nCall one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|end|>\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] }}"
+    "{% for tc in message.tool_calls or [] %}<tool_call>{{ {'name': tc.function.name, "
+    "'arguments': tc.function.arguments} | tojson }}</tool_call>{% endfor %}"
+    "{{ '<|end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+
+def use_tool_template(path: Path) -> None:
+    """Gives a model directory's tokenizer :data:`TOOL_TEMPLATE` and mlx-lm's
+    ``json_tools`` tool parser (``<tool_call>{json}</tool_call>``)."""
+    f = Path(path) / "tokenizer_config.json"
+    cfg = json.loads(f.read_text())
+    cfg.update(chat_template=TOOL_TEMPLATE, tool_parser_type="json_tools")
+    f.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
 
 
 class FakeBackend:
@@ -162,7 +197,10 @@ class FakeBackend:
                         rec["finished"] = all(p > len(o) for p, o in zip(pos, outs))
                         yield SampleDone(sample=i, reason=reasons[i])
                     else:
-                        yield Tokens(sample=i, token_ids=o[pos[i]:pos[i] + self.chunk])
+                        ids = o[pos[i]:pos[i] + self.chunk]
+                        yield Tokens(sample=i, token_ids=ids,
+                                     logprobs=fake_logprobs(ids, params) if params.logprobs
+                                     else [])
                         pos[i] += self.chunk
                         pos[i] = min(pos[i], len(o))
                     events += 1

@@ -148,8 +148,8 @@ def create_app(backend: Backend, *, served_model_name: Optional[str] = None,
             req = await parse_body(request, CompletionRequest)
             srv.check_common(req)
             prompt = srv.completion_prompt(req)
-            n = req.n or 1
-            max_tokens = srv.length(len(prompt), n, req.max_tokens, "max_tokens",
+            requested, param = req.max_new_tokens
+            max_tokens = srv.length(len(prompt), req.n or 1, requested, param,
                                     DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
             params = srv.sampling_params(req, max_tokens)
         except APIError as e:

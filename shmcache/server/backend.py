@@ -266,14 +266,14 @@ class WorkerBackend(WorkerLifecycle):
     # ---------------------------------------------------------- a worker's events
     def _on(self, w: WorkerProc, msg) -> None:
         if isinstance(msg, wire.Step):
-            for rid, sample, tok, reason in msg.items:
+            for rid, sample, tok, reason, lp in msg.items:
                 f = w.flights.get(rid)
                 if f is None or f.done[sample]:
                     continue
                 f.seen[sample] += 1
                 if f.seen[sample] > f.delivered[sample]:      # not delivered before a re-run
                     f.delivered[sample] += 1
-                    f.q.put_nowait(Tokens(sample, [tok]))
+                    f.q.put_nowait(Tokens(sample, [tok], [lp] if lp is not None else []))
                     if reason:
                         f.done[sample] = True
                         f.q.put_nowait(SampleDone(sample, reason))

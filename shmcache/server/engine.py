@@ -57,10 +57,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import mlx.core as mx
-from mlx_lm.sample_utils import make_sampler
 
 from ..errors import OutOfBlocksError
 from ..mlx_lm import PoolBatchKVCache, PoolKVCache, PoolSequence, load_prefix, make_pool_cache
+from .sampling import RowSampler
 from .wire import Gen
 
 log = logging.getLogger("shmcache.engine")
@@ -275,7 +275,7 @@ class Engine:
             raise
         per_row = []
         for r in rows:
-            r.sampler = make_sampler(p.temperature, p.top_p, p.min_p, top_k=p.top_k)
+            r.sampler = RowSampler(p, g.seed, r.sample)
             if r.seq is seq:
                 per_row.append(caches)
             else:
@@ -340,14 +340,9 @@ class Engine:
         self._advance(list(zip(self.rows, toks)))
 
     def _sample(self, r: _Row, logits: mx.array) -> mx.array:
-        p = r.req.gen.params
-        if p.temperature == 0:
-            return mx.argmax(logits, axis=-1)
-        # seeded per (request, sample, step): the same tokens on any worker
-        # and after any preemption
-        mx.random.seed((r.req.gen.seed * 1_000_003 + r.sample * 7919 + len(r.generated)) % (2**63))
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        return r.sampler(logprobs[None])[0]
+        # mlx-lm's processors and sampler, seeded per (request, sample,
+        # step): the same tokens on any worker and after any preemption
+        return r.sampler(logits, r.req.gen.prompt, r.generated)
 
     def _advance(self, pairs) -> None:
         items, finished = [], set()
@@ -360,7 +355,7 @@ class Engine:
                 reason = "stop"
             elif len(r.generated) >= p.max_tokens:
                 reason = "length"
-            items.append((r.req.gen.id, r.sample, t, reason))
+            items.append((r.req.gen.id, r.sample, t, reason, r.sampler.take_logprobs()))
             if reason:
                 finished.add(id(r))
             else:

@@ -41,6 +41,7 @@ class Generation:
     def __init__(self, srv: "_Server", endpoint: str, prompt: list[int],
                  params: SamplingParams, stops: list[str], t0: float):
         self.srv, self.endpoint, self.t0 = srv, endpoint, t0
+        self.params = params
         self.prompt_tokens = len(prompt)
         self.cached_tokens = 0
         skip = frozenset(srv.eos_ids) | frozenset(params.stop_token_ids)
@@ -84,8 +85,12 @@ class Generation:
         return None
 
     async def updates(self):
-        """Yields ``(sample, text, finish_reason or None)``, or one ``Error``
-        (last); the backend's generator is closed when this ends."""
+        """Yields ``(sample, text, finish_reason or None, logprobs)``, or one
+        ``Error`` (last); the backend's generator is closed when this ends.
+        ``logprobs`` lists ``(token id, TokenLogprob)`` of the tokens this
+        update adds (empty unless the request asked for them; EOS and
+        ``stop_token_ids``, which make no text, are left out; tokens after a
+        stop string too)."""
         try:
             while not all(s.done for s in self.samples):
                 if self._pending is not None:
@@ -123,10 +128,16 @@ class Generation:
             self.srv.metrics.generation_tokens.inc(len(ev.token_ids))
             if s.done:
                 return None
+            before = s.tokens
             text = s.add(ev.token_ids)
+            lps = []
+            if ev.logprobs:
+                taken = s.tokens - before
+                lps = [(t, lp) for t, lp in zip(ev.token_ids[:taken], ev.logprobs[:taken])
+                       if t not in s.skip]
             if s.done:
-                return ev.sample, text, s.reason
-            return (ev.sample, text, None) if text else None
+                return ev.sample, text, s.reason, lps
+            return (ev.sample, text, None, lps) if text or lps else None
         if isinstance(ev, SampleDone):
             if ev.sample < 0:
                 raise IndexError(f"sample {ev.sample}")
@@ -134,7 +145,7 @@ class Generation:
             if s.done:
                 return None
             text = s.finish("length" if ev.reason == "length" else "stop")
-            return ev.sample, text, s.reason
+            return ev.sample, text, s.reason, []
         return None                             # a repeated Started: nothing to say
 
     def usage(self) -> dict:

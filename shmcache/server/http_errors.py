@@ -68,6 +68,8 @@ def from_validation(e: ValidationError) -> APIError:
     msg = str(err.get("msg", "invalid"))
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
+    if err.get("type") == "extra_forbidden":
+        return APIError(f"Unrecognized request argument supplied: {param}", param=param)
     if err.get("type") == "missing":
         return APIError(f"Missing required parameter: '{param}'.", param=param)
     return APIError(f"Invalid value for '{param}': {msg}", param=param)

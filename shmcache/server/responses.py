@@ -22,6 +22,7 @@ from starlette.responses import Response, StreamingResponse
 from .generation import CLIENT_CLOSED, Generation
 from .http_errors import error_body, error_response, json_response
 from .protocol import Error, SamplingParams
+from .tool_calls import ToolCallSplitter
 
 if TYPE_CHECKING:
     from .app import _Server
@@ -31,38 +32,75 @@ CHAT = "/v1/chat/completions"
 
 
 # ------------------------------------------------------- response shapes
+def _token_text(tokenizer, t: int) -> str:
+    return tokenizer.decode([t])
+
+
 class CompletionShape:
-    """``/v1/completions``: ``text_completion`` objects, ``choices[i].text``."""
+    """``/v1/completions``: ``text_completion`` objects, ``choices[i].text``;
+    ``logprobs`` as OpenAI's legacy object (``tokens``, ``token_logprobs``,
+    ``top_logprobs``, ``text_offset``)."""
 
     endpoint, object, chunk_object, id_prefix = (COMPLETIONS, "text_completion",
                                                  "text_completion", "cmpl-")
     first_delta = False
 
     @staticmethod
-    def choice(i, text, reason):
-        return {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+    def choice(i, text, reason, logprobs=None, tool_calls=None):
+        return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
     chunk_choice = choice
+
+    @staticmethod
+    def logprobs(tokenizer, entries, offset: int) -> dict:
+        """``entries``: (token id, TokenLogprob); ``offset``: the text's length
+        before the first of them."""
+        toks, lps, tops, offs = [], [], [], []
+        for t, lp in entries:
+            s = _token_text(tokenizer, t)
+            toks.append(s)
+            lps.append(lp.logprob)
+            tops.append({_token_text(tokenizer, a): v for a, v in lp.top})
+            offs.append(offset)
+            offset += len(s)
+        return {"tokens": toks, "token_logprobs": lps,
+                "top_logprobs": tops if any(lp.top for _, lp in entries) else None,
+                "text_offset": offs}
 
 
 class ChatShape:
     """``/v1/chat/completions``: ``message`` choices, ``delta`` chunks that
-    open with the assistant's role."""
+    open with the assistant's role; ``logprobs`` as ``{"content": [{token,
+    logprob, bytes, top_logprobs}]}``; ``tool_calls`` in the message (delta)."""
 
     endpoint, object, chunk_object, id_prefix = (CHAT, "chat.completion",
                                                  "chat.completion.chunk", "chatcmpl-")
     first_delta = True
 
     @staticmethod
-    def choice(i, text, reason):
-        return {"index": i, "message": {"role": "assistant", "content": text},
-                "logprobs": None, "finish_reason": reason}
+    def choice(i, text, reason, logprobs=None, tool_calls=None):
+        msg = {"role": "assistant", "content": text}
+        if tool_calls:
+            msg["content"] = text or None
+            msg["tool_calls"] = tool_calls
+        return {"index": i, "message": msg, "logprobs": logprobs, "finish_reason": reason}
 
     @staticmethod
-    def chunk_choice(i, text, reason, role=False):
+    def chunk_choice(i, text, reason, logprobs=None, tool_calls=None, role=False):
         delta = {"role": "assistant", "content": text} if role else (
             {"content": text} if text else {})
-        return {"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
+        return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+
+    @staticmethod
+    def logprobs(tokenizer, entries, offset: int) -> dict:
+        def one(t, v):
+            s = _token_text(tokenizer, t)
+            return {"token": s, "logprob": v, "bytes": list(s.encode())}
+        return {"content": [{**one(t, lp.logprob),
+                             "top_logprobs": [one(a, v) for a, v in lp.top]}
+                            for t, lp in entries]}
 
 
 def sse(obj) -> bytes:
@@ -132,9 +170,11 @@ async def respond(srv: "_Server", request: Request, shape, req, prompt: list[int
             return error_response(err.status, err.message)
         rid = shape.id_prefix + uuid.uuid4().hex
         created = int(time.time())
+        splitters = _splitters(srv, shape, req, len(gen.samples), bool(req.stream))
         if req.stream:
             streaming = True
-            return SSEResponse(gen, _stream(srv, gen, shape, rid, created, req.include_usage))
+            return SSEResponse(gen, _stream(srv, gen, shape, rid, created, req.include_usage,
+                                            splitters))
         ok, result = await unless_disconnected(request, lambda: _collect(gen))
         if not ok:
             return Response(status_code=CLIENT_CLOSED)
@@ -142,11 +182,18 @@ async def respond(srv: "_Server", request: Request, shape, req, prompt: list[int
             gen.status = result.status
             return error_response(result.status, result.message)
         gen.status = 200
+        choices = []
+        for i, (parts, lps) in enumerate(result):
+            text, reason, calls = "".join(parts), gen.samples[i].reason, None
+            if splitters is not None:
+                text, calls = splitters[i].feed(text, final=True)
+                if calls and reason == "stop":
+                    reason = "tool_calls"
+            logprobs = shape.logprobs(srv.tokenizer, lps, 0) if gen.params.logprobs else None
+            choices.append(shape.choice(i, text, reason, logprobs, calls))
         return json_response({
             "id": rid, "object": shape.object, "created": created, "model": srv.model_name,
-            "choices": [shape.choice(i, "".join(parts), gen.samples[i].reason)
-                        for i, parts in enumerate(result)],
-            "usage": gen.usage()})
+            "choices": choices, "usage": gen.usage()})
     finally:
         if not streaming:                   # a stream closes in SSEResponse
             with anyio.CancelScope(shield=True):
@@ -154,23 +201,35 @@ async def respond(srv: "_Server", request: Request, shape, req, prompt: list[int
             gen.finish()
 
 
+def _splitters(srv, shape, req, n: int, streaming: bool):
+    """One tool-call splitter per sample when the chat request has tools, else None."""
+    if shape is not ChatShape or not getattr(req, "tools", None):
+        return None
+    tools = [t.to_template() for t in req.tools]
+    return [ToolCallSplitter(srv.tokenizer, tools, streaming) for _ in range(n)]
+
+
 async def _collect(gen: Generation):
-    parts: list[list[str]] = [[] for _ in gen.samples]
+    """Each sample's (text parts, logprob entries), or an Error."""
+    out: list = [([], []) for _ in gen.samples]
     async with aclosing(gen.updates()) as ups:
         async for u in ups:
             if isinstance(u, Error):
                 return u
-            i, text, _ = u
+            i, text, _, lps = u
             if text:
-                parts[i].append(text)
-    return parts
+                out[i][0].append(text)
+            out[i][1].extend(lps)
+    return out
 
 
 async def _stream(srv: "_Server", gen: Generation, shape, rid: str, created: int,
-                  include_usage: bool):
+                  include_usage: bool, splitters=None):
     base = {"id": rid, "object": shape.chunk_object, "created": created,
             "model": srv.model_name}
     tail = {"usage": None} if include_usage else {}
+    offsets = [0] * len(gen.samples)            # text sent per sample (completions' text_offset)
+    made_calls = [False] * len(gen.samples)
     if shape.first_delta:
         yield sse({**base, "choices": [shape.chunk_choice(i, "", None, role=True)
                                        for i in range(len(gen.samples))], **tail})
@@ -181,8 +240,19 @@ async def _stream(srv: "_Server", gen: Generation, shape, rid: str, created: int
                 yield sse(error_body(u.status, u.message))
                 yield b"data: [DONE]\n\n"
                 return
-            i, text, reason = u
-            yield sse({**base, "choices": [shape.chunk_choice(i, text, reason)], **tail})
+            i, text, reason, lps = u
+            calls = None
+            if splitters is not None:
+                text, calls = splitters[i].feed(text, final=reason is not None)
+                made_calls[i] = made_calls[i] or bool(calls)
+                if reason == "stop" and made_calls[i]:
+                    reason = "tool_calls"
+                if not (text or calls or lps or reason):
+                    continue
+            logprobs = shape.logprobs(srv.tokenizer, lps, offsets[i]) if lps else None
+            offsets[i] += len(text)
+            yield sse({**base, "choices": [shape.chunk_choice(i, text, reason, logprobs, calls)],
+                       **tail})
     if include_usage:
         yield sse({**base, "choices": [], "usage": gen.usage()})
     gen.status = 200

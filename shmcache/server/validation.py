@@ -63,6 +63,11 @@ class RequestChecker:
             raise APIError(f"Invalid value for 'n': {n} is more than this server's maximum "
                            f"of {self.backend.max_n}.", param="n")
         self.check_ids(req.stop_token_ids or [], "stop_token_ids")
+        try:
+            bias = req.logit_bias_ids()
+        except ValueError as e:
+            raise APIError(f"Invalid value for 'logit_bias': {e}", param="logit_bias") from None
+        self.check_ids(list(bias), "logit_bias")
 
     def check_ids(self, ids: list[int], param: str) -> None:
         """Raises APIError naming ``param`` if a token id is outside the vocabulary."""
@@ -120,15 +125,31 @@ class RequestChecker:
         return param
 
     def sampling_params(self, req, max_tokens: int) -> SamplingParams:
-        """The request's sampling parameters, OpenAI's defaults filled in."""
+        """The request's sampling parameters, OpenAI's and mlx_lm.server's
+        defaults filled in."""
         top_k = req.top_k or 0
+        logprobs, top_logprobs = req.want_logprobs
+        xtc = req.xtc_probability or 0.0
+        # as mlx_lm.server: XTC never cuts a newline or an EOS
+        xtc_special = (list(self.tokenizer.encode("\n", add_special_tokens=False))
+                       + sorted(getattr(self.tokenizer, "eos_token_ids", None) or ())) if xtc else []
         return SamplingParams(
             max_tokens=max_tokens, n=req.n or 1,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=0 if top_k < 0 else top_k,
             min_p=req.min_p or 0.0, seed=req.seed,
-            stop_token_ids=list(req.stop_token_ids or []), salt=req.cache_salt)
+            stop_token_ids=list(req.stop_token_ids or []), salt=req.cache_salt,
+            repetition_penalty=req.repetition_penalty or 0.0,
+            repetition_context_size=_or(req.repetition_context_size, 20),
+            presence_penalty=req.presence_penalty or 0.0,
+            presence_context_size=_or(req.presence_context_size, 20),
+            frequency_penalty=req.frequency_penalty or 0.0,
+            frequency_context_size=_or(req.frequency_context_size, 20),
+            logit_bias=req.logit_bias_ids(),
+            xtc_probability=xtc, xtc_threshold=_or(req.xtc_threshold, 0.1),
+            xtc_special_tokens=xtc_special,
+            logprobs=logprobs, top_logprobs=top_logprobs)
 
     def completion_prompt(self, req: CompletionRequest) -> list[int]:
         """The prompt's token ids (a string is tokenized).
@@ -148,21 +169,45 @@ class RequestChecker:
         return ids
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        """The messages through the tokenizer's chat template, as token ids.
+        """The messages (their ``tool_calls`` too) through the tokenizer's chat
+        template, with ``tools`` and ``chat_template_kwargs``, as token ids.
 
         Raises:
-            APIError: no messages, the template failed, or it gave no tokens.
+            APIError: no messages; the template failed or gave no tokens;
+                ``tools`` that this model's template does not render or whose
+                calls mlx-lm cannot parse back for this model.
         """
         if not req.messages:
             raise APIError("Invalid value for 'messages': the list is empty.", param="messages")
-        try:
-            out = self.tokenizer.apply_chat_template(
-                [m.to_template() for m in req.messages], add_generation_prompt=True)
-        except Exception as e:                  # jinja errors: roles out of order, ...
-            raise APIError(f"Invalid value for 'messages': the chat template failed: {e}",
-                           param="messages") from None
-        ids = list(out["input_ids"] if isinstance(out, Mapping) else out)
+        messages = [m.to_template() for m in req.messages]
+        kwargs = dict(req.chat_template_kwargs or {})
+        ids = self._template(messages, kwargs, "chat_template_kwargs"
+                             if req.chat_template_kwargs else "messages")
+        if req.tools:
+            if not getattr(self.tokenizer, "has_tool_calling", False):
+                raise APIError("'tools' is not supported for this model: mlx-lm knows no "
+                               "tool-call format for its chat template, so calls could not "
+                               "be parsed from the answer.", param="tools")
+            with_tools = self._template(
+                messages, {**kwargs, "tools": [t.to_template() for t in req.tools]}, "tools")
+            if with_tools == ids:
+                raise APIError("'tools' is not supported for this model: its chat template "
+                               "does not render tools into the prompt.", param="tools")
+            ids = with_tools
         if not ids:
             raise APIError("Invalid value for 'messages': the prompt is empty.",
                            param="messages")
         return ids
+
+    def _template(self, messages: list, kwargs: dict, blame: str) -> list[int]:
+        try:
+            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                     **kwargs)
+        except Exception as e:                  # jinja errors: roles out of order, ...
+            raise APIError(f"Invalid value for '{blame}': the chat template failed: {e}",
+                           param=blame) from None
+        return list(out["input_ids"] if isinstance(out, Mapping) else out)
+
+
+def _or(v, default):
+    return default if v is None else v

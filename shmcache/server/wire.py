@@ -16,7 +16,7 @@ from typing import Optional, Union
 
 import msgspec
 
-from .protocol import SamplingParams
+from .protocol import SamplingParams, TokenLogprob
 
 
 # ------------------------------------------------------------- to a worker
@@ -59,8 +59,9 @@ class Progress(msgspec.Struct, tag="progress"):
 
 
 class Step(msgspec.Struct, tag="step"):
-    """One decode step's tokens: (request id, sample, token, finish reason or "")."""
-    items: list[tuple[int, int, int, str]]
+    """One decode step's tokens: (request id, sample, token, finish reason or
+    "", the token's log probabilities when the request asked for them, else None)."""
+    items: list[tuple[int, int, int, str, Optional[TokenLogprob]]]
 
 
 class Failed(msgspec.Struct, tag="failed"):

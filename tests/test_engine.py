@@ -45,7 +45,7 @@ class Events:
     def __call__(self, kind, payload):
         if kind == "step":
             self.steps.append(payload)
-            for rid, sample, tok, _ in payload:
+            for rid, sample, tok, *_ in payload:
                 self.tokens.setdefault(rid, []).append(tok)
         elif kind == "admitted":
             self.admitted[payload[0]] = payload

@@ -104,7 +104,7 @@ class Engine:
         eos_ids: token ids that end a sample.
         emit: ``emit(kind, payload)``, called with ("admitted", (id,
             prompt_tokens, cached_tokens)), ("progress", (id, tokens
-            stored)), ("step", [(id, sample, token, reason)]) and ("failed",
+            stored)), ("step", [(id, sample, token, reason, logprob or None)]) and ("failed",
             (id, message, status)).
         max_batch: the most samples decoded together.
         prefill_step: the most prompt tokens computed per step (rounded

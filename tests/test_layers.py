@@ -39,7 +39,8 @@ LAYERS = [
     ("the server", "server server.api server.app server.backend server.engine "
      "server.generation server.http_errors server.main server.metrics "
      "server.openai_types server.protocol server.responses server.sample_text "
-     "server.validation server.wire server.worker server.worker_procs demo_model"),
+     "server.validation server.wire server.worker server.worker_procs demo_model gguf "
+     "model_source"),
     ("the command", "cli inspect_pool doctor"),
 ]
 

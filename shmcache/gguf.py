@@ -229,16 +229,26 @@ def _byte_level_split(pre: str):
     return byte_level                                # GPT-2's split ("gpt2", "default", ...)
 
 
-def _write_tokenizer(meta: dict, out: Path, max_len: int) -> tuple:
-    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json;
-    return (vocab_size, bos_id, eos_id)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+def _check_tokenizer(meta: dict) -> None:
+    """Raise unless the metadata holds a byte-level BPE tokenizer with an eos token."""
     model = _meta_value(meta, "tokenizer.ggml.model")
     if model is None:
         raise UnsupportedModelError("GGUF metadata 'tokenizer.ggml.model' is missing")
     if model != "gpt2":
         raise UnsupportedModelError(f"tokenizer {model!r} is not supported (only byte-level "
                                     "BPE, 'gpt2')")
+    tokens = _need(meta, "tokenizer.ggml.tokens")
+    _need(meta, "tokenizer.ggml.merges")
+    eos = _need(meta, "tokenizer.ggml.eos_token_id")
+    if not 0 <= int(eos) < len(tokens):
+        raise UnsupportedModelError(f"tokenizer.ggml.eos_token_id {eos} is not a token")
+
+
+def _write_tokenizer(meta: dict, out: Path, max_len: int) -> tuple:
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json;
+    return (vocab_size, bos_id, eos_id)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+    _check_tokenizer(meta)
     tokens = _need(meta, "tokenizer.ggml.tokens")
     merges = _need(meta, "tokenizer.ggml.merges")
     types = _meta_value(meta, "tokenizer.ggml.token_type") or [1] * len(tokens)
@@ -263,8 +273,6 @@ def _write_tokenizer(meta: dict, out: Path, max_len: int) -> tuple:
     eos_id, eos = tok_of("tokenizer.ggml.eos_token_id")
     _, pad = tok_of("tokenizer.ggml.padding_token_id")
     _, unk = tok_of("tokenizer.ggml.unknown_token_id")
-    if eos is None:
-        raise UnsupportedModelError("GGUF metadata 'tokenizer.ggml.eos_token_id' is missing")
     cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos,
            "pad_token": pad or eos, "unk_token": unk,
            "add_bos_token": bool(_meta_value(meta, "tokenizer.ggml.add_bos_token")),
@@ -340,6 +348,11 @@ def convert(gguf_path, out_dir, *, quantized: bool = False,
         raise UnsupportedModelError(f"tensor {extra[0]!r} is beyond block_count "
                                     f"{cfg['num_hidden_layers']}")
 
+    _check_tokenizer(meta)
+    n_tokens = len(_meta_value(meta, "tokenizer.ggml.tokens"))
+    if n_tokens > vocab_rows:
+        raise UnsupportedModelError(f"the tokenizer has {n_tokens} tokens but the embedding "
+                                    f"only {vocab_rows} rows")
     quant_bits = Counter(b for b in bits_of.values() if b is not None)
     say(f"converting {gguf_path.name}: {arch}, {cfg['num_hidden_layers']} layers, hidden "
         f"{cfg['hidden_size']}, {heads} heads over {kv_heads} KV heads, vocab {vocab_rows}, "
@@ -388,10 +401,7 @@ def convert(gguf_path, out_dir, *, quantized: bool = False,
     if quantized and default_bits is not None:
         cfg["quantization"] = {"group_size": GROUP_SIZE, "bits": default_bits, "mode": "affine",
                                **overrides}
-    vocab_size, bos_id, eos_id = _write_tokenizer(meta, out, cfg["max_position_embeddings"])
-    if vocab_size > vocab_rows:
-        raise UnsupportedModelError(f"the tokenizer has {vocab_size} tokens but the embedding "
-                                    f"{vocab_rows} rows")
+    _, bos_id, eos_id = _write_tokenizer(meta, out, cfg["max_position_embeddings"])
     cfg.update(bos_token_id=bos_id, eos_token_id=eos_id)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

@@ -8,6 +8,8 @@
                                      no live process has attached
     shmcache doctor [--json]         BLAS in use, matmul GFLOP/s, versions, /dev/shm, CPUs
     shmcache serve [--model PATH]    an OpenAI-compatible HTTP server (serve --help)
+    shmcache convert FILE.gguf DIR [--quantized]
+                                     a llama/qwen2 GGUF file as an mlx-lm model directory
 
 Exit codes: 0 success; 1 fsck found violations (left after ``--repair``) or a
 named ``cleanup`` kept a live pool; 2 an error (unknown pool, not a pool, an
@@ -310,6 +312,18 @@ def cmd_serve(args) -> int:
     return run(args)
 
 
+# ---------------------------------------------------------------- convert
+def cmd_convert(args) -> int:
+    import os
+    from .gguf import convert
+    if not args.gguf.lower().endswith(".gguf") or not os.path.isfile(args.gguf):
+        raise CliError(f"{args.gguf}: not a .gguf file")
+    if os.path.exists(args.dir) and (not os.path.isdir(args.dir) or os.listdir(args.dir)):
+        raise CliError(f"{args.dir}: exists and is not an empty directory")
+    convert(args.gguf, args.dir, quantized=args.quantized)
+    return 0
+
+
 def version() -> str:
     """shmcache's version: the installed distribution's (pyproject.toml's), else
     the package's ``__version__``, else "unknown" (a checkout never installed)."""
@@ -341,13 +355,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", nargs="?", help="a pool name or shell pattern (default: all)")
     p = sub.add_parser("doctor", help="BLAS in use, matmul GFLOP/s, versions, /dev/shm, CPUs")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p = sub.add_parser("convert", help="a llama/qwen2 GGUF file as an mlx-lm model directory",
+                       description="Convert a llama or qwen2 GGUF file (F32, F16, Q4_0, Q4_1, "
+                       "Q8_0 tensors, byte-level BPE tokenizer) into an mlx-lm model directory. "
+                       "Weights become float32 (MLX's CPU backend is fast only in float32); "
+                       "--quantized keeps the file's 4/8-bit weights (less memory, slower).")
+    p.add_argument("gguf", metavar="FILE.gguf")
+    p.add_argument("dir", metavar="DIR", help="the new directory (must not exist, or be empty)")
+    p.add_argument("--quantized", action="store_true",
+                   help="keep Q4_0/Q4_1/Q8_0 weights quantized (default: float32)")
     from .server import main as serve_main
     serve_main.add_arguments(sub.add_parser("serve", help=serve_main.HELP))
     return ap
 
 
 COMMANDS = {"list": cmd_list, "inspect": cmd_inspect, "top": cmd_top, "fsck": cmd_fsck,
-            "cleanup": cmd_cleanup, "doctor": cmd_doctor, "serve": cmd_serve}
+            "cleanup": cmd_cleanup, "doctor": cmd_doctor, "serve": cmd_serve,
+            "convert": cmd_convert}
 
 
 def main(argv=None) -> int:

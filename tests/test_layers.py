@@ -40,7 +40,8 @@ LAYERS = [
      "server.generation server.http_errors server.main server.metrics "
      "server.openai_types server.protocol server.responses server.sample_text "
      "server.sampling server.tool_calls "
-     "server.validation server.wire server.worker server.worker_procs demo_model"),
+     "server.validation server.wire server.worker server.worker_procs demo_model gguf "
+     "model_source"),
     ("the command", "cli inspect_pool doctor"),
 ]
 

@@ -67,7 +67,7 @@ def test_concurrent_requests_in_one_batch_match_mlx_lm(one_worker, reference):
     batch), i.e. that this tested batching at all."""
     client = one_worker.client()
     rng = random.Random(202)
-    jobs = [(printable(rng, n), m) for n, m in ((21, 24), (37, 40), (50, 32), (64, 48))]
+    jobs = [(printable(rng, n), m) for n, m in ((21, 174), (37, 190), (50, 182), (64, 198))]
     refs = [reference.greedy(p, m) for p, m in jobs]
     start = threading.Barrier(len(jobs))
 

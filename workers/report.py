@@ -51,6 +51,9 @@ def print_report(r: dict) -> None:
               "token ids generated (not valid UTF-8, or an end-of-sequence token)")
     for rid, err in r["failed"].items():
         print(f"request {rid} failed: {err}")
+    for a in r.get("answers", ()):
+        print(f"Q: {a['question']}\nA: {a['answer'].strip()!s}"
+              + ("" if a["finish_reason"] == "stop" else f"  [{a['finish_reason']}]"))
 
 
 

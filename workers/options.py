@@ -25,7 +25,7 @@ def parse_args(argv=None):
         description="Drive shmcache serve with the built-in workload and report on the run.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=2, help="server worker processes (default 2)")
-    ap.add_argument("--requests", type=int, default=24, help="requests in the workload (default 24)")
+    ap.add_argument("--requests", type=int, default=16, help="requests in the workload (default 16)")
     ap.add_argument("--seed", type=int, default=0, help="workload and sampling seed")
     ap.add_argument("--no-prefix-cache", action="store_true",
                     help="same workload with nothing shared between requests: every request "
@@ -47,8 +47,8 @@ def parse_args(argv=None):
                          "tokenizer, exact for a byte-level one such as the demo model's")
     ap.add_argument("--concurrency", type=int, default=0,
                     help="requests in flight at once (default: 4 per worker)")
-    ap.add_argument("--system-tokens", type=int, default=1000,
-                    help="length of the shared system prompt (default 1000)")
+    ap.add_argument("--system-tokens", type=int, default=400,
+                    help="length of the shared system prompt (default 400)")
     ap.add_argument("--max-new-tokens", type=int, default=24,
                     help="tokens generated per sample (default 24)")
     ap.add_argument("--startup-timeout", type=float, default=300.0, metavar="SECONDS",

@@ -126,9 +126,9 @@ def claim_every_table(p) -> None:
     for t in np.flatnonzero(np.asarray(p.t_claim) == -1).tolist():
         if t not in mine:
             p.t_claim[t] = 0
-    # (and every record whose claim names a slot: a free record's claim is a
-    # probe in progress, or a stuck or dead one, taken over and given back)
-    for t in np.flatnonzero((np.asarray(p.t_state) == 1) | (np.asarray(p.t_claim) > 0)).tolist():
+    # (and every record with a claim: a free record's claim is a probe in
+    # progress, or a stuck, dead or corrupted one, taken over and given back)
+    for t in np.flatnonzero((np.asarray(p.t_state) == 1) | (np.asarray(p.t_claim) != 0)).tolist():
         claim(p, t)
 
 

@@ -15,7 +15,10 @@ it leaves cleanly; whoever next takes the lock and finds it set runs
 
 ``open_hot(mm, layout)`` returns an object with ``init_mutex()``,
 ``trylock()``/``lock()`` (0 taken, 1 taken from a dead holder, -1 busy for
-``trylock``), ``unlock()``, ``release()``, ``lock_slices()``, and ``alloc``
+``trylock``; ``lock(True)`` -2, not taken, when the word named one live
+thread for a second: ``PoolLock`` asks the pool to judge it, which may
+``mark_owner_dead(lock_word())``), ``unlock()``, ``release()``,
+``lock_slices()``, and ``alloc``
 and ``free``: the fused operations of ``_hot`` (``_native/hot.cpp``, the
 nanobind binding of the ``hot_*.h`` core), or None (then ``fastpath`` does
 them in Python under the lock). ``_hot`` also has the table

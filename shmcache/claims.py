@@ -16,11 +16,20 @@ C side reads it after taking its claim, and backs off without a write).
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
 
 from . import layout as L
+
+logger = logging.getLogger("shmcache.paged_cache")
+
+# How long a claim may name one live slot, unchanged, before it is taken as
+# stuck (a corrupted word, or a claimer stopped for that long inside the few
+# instructions of an append): an append holds its claim for well under a
+# microsecond of running time. As the pool mutex's DEAD_OWNER_SLICES.
+CLAIM_STUCK_S = 1.0
 
 
 def _try(p, t: int) -> int:
@@ -40,10 +49,13 @@ def _try(p, t: int) -> int:
 def claim(p, t: int) -> None:
     """Take table ``t``'s claim for this hold (given back by ``release``
     when the hold ends). Waits for an owner's append in progress; takes
-    over the claim of a slot that is dead."""
+    over the claim of a slot that is dead, and one that stayed unchanged for
+    ``CLAIM_STUCK_S`` (a corrupted word, or a claimer stopped that long):
+    the wait is bounded, as the mutex's is."""
     lock = p.lock
     if t in lock.claimed:
         return
+    first, deadline, polls = None, 0.0, 0
     while True:
         v = _try(p, t)
         if v in (0, -1):
@@ -54,8 +66,43 @@ def claim(p, t: int) -> None:
             # valid (hot_claim.h), so the claim is simply taken over
             p.t_claim[t] = -1
             break
-        time.sleep(0)           # a live owner that is not running: let it finish
+        now = time.monotonic()
+        if v != first:
+            first, deadline = v, now + CLAIM_STUCK_S
+        elif now >= deadline:
+            logger.warning("pool %r: table %d's claim named live slot %d unchanged for %.1f s "
+                           "(a corrupted word, or its process stopped mid-append); taken over",
+                           p.name, t, s, CLAIM_STUCK_S)
+            p.t_claim[t] = -1
+            break
+        polls += 1
+        # a live owner that is not running: let it finish (yield, then sleep)
+        time.sleep(0 if polls < 64 else 0.001)
     lock.claimed.append(t)
+
+
+def stuck_claims(claim_words, live_slot, wait: float = CLAIM_STUCK_S) -> list:
+    """(check, fsck) Tables whose claim names a live slot and stays
+    unchanged for ``wait`` seconds: [(table, slot)]. ``claim_words`` is the
+    live claim column (re-read while waiting), ``live_slot(s)`` whether slot
+    s is attached and alive. Returns at once when no such claim is seen
+    (the usual case: an append holds its claim for nanoseconds)."""
+    cl = np.asarray(claim_words)
+
+    def suspects():
+        out = {}
+        for t in np.flatnonzero(cl > 0).tolist():
+            v = int(cl[t])
+            if live_slot(v - 1):
+                out[t] = v
+        return out
+
+    seen = suspects()
+    deadline = time.monotonic() + wait
+    while seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+        seen = {t: v for t, v in seen.items() if int(cl[t]) == v}
+    return [(t, v - 1) for t, v in sorted(seen.items())]
 
 
 def release(p) -> None:
@@ -73,12 +120,15 @@ def release(p) -> None:
 def claim_every_table(p) -> None:
     """Recovery's start: claims of -1 not this hold's were a dead lock
     holder's (given back); then every live table's claim is taken, so that
-    no append runs while the lists are rebuilt."""
+    no append runs while the lists are rebuilt (each wait bounded:
+    ``claim``)."""
     mine = set(p.lock.claimed)
     for t in np.flatnonzero(np.asarray(p.t_claim) == -1).tolist():
         if t not in mine:
             p.t_claim[t] = 0
-    for t in np.flatnonzero(np.asarray(p.t_state) == 1).tolist():
+    # (and every record with a claim: a free record's claim is a probe in
+    # progress, or a stuck, dead or corrupted one, taken over and given back)
+    for t in np.flatnonzero((np.asarray(p.t_state) == 1) | (np.asarray(p.t_claim) != 0)).tolist():
         claim(p, t)
 
 
@@ -99,7 +149,20 @@ def stale_claims(p) -> list:
             out.append(f"table {t}: claimed by a lock holder that is gone")
         elif v != -1 and not (1 <= v <= p.layout.max_slots and p.slots["state"][v - 1] == 1):
             out.append(f"table {t}: claimed by slot {v - 1}, which is not attached")
+    if lock is not None:
+        # a live pool (the lock held): a claim that names a live slot and
+        # does not move is stuck (a copy's claims cannot move: PoolView.fsck
+        # watches the live ones)
+        out += stuck_claim_lines(p, stuck_claims(
+            p.tables["claim"], lambda s: 0 <= s < p.layout.max_slots
+            and p.slots["state"][s] == 1 and p.slot_alive(s)))
     return out
+
+
+def stuck_claim_lines(p, stuck) -> list:
+    return [f"table {t}: claimed by live slot {s} (pid {int(p.slots['pid'][s])}) unchanged for "
+            f"{CLAIM_STUCK_S:.0f} s: a stuck or corrupted claim (the next lock holder that "
+            "needs the table takes it over; fsck --repair clears it)" for t, s in stuck]
 
 
 def count_pure(p) -> int:

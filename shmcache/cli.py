@@ -133,6 +133,11 @@ def render(d: dict) -> str:
         f"{d['reclaimed_refs']}{', DIRTY' if d['dirty'] else ''}"
         f"{'' if d['consistent_snapshot'] else ' (lock busy: unlocked snapshot)'}",
     ]
+    lo = d.get("lock_owner")
+    if lo:
+        lines.append(f"lock      held by thread {lo['tid']}"
+                     + (f" of pid {lo['pid']}" if lo["pid"] else " (no such thread)")
+                     + (f": NO HOLD: {lo['problem']}" if lo["problem"] else ""))
     lines += render_l2(d.get("l2") or {})
     hs = d["holders"]
     if not hs:

@@ -23,7 +23,8 @@ import numpy as np
 import psutil
 
 from . import layout as L
-from . import recovery, reserve, segment
+from . import claims, recovery, reserve, segment
+from .slots import UNRECORDED_OWNER_S, lock_owner_problem, thread_status
 from .errors import CorruptPoolError, IncompatiblePoolError
 from .lock import MUTEX_MAP_SIZE, open_mutex
 from .platform import byte_held_by_other
@@ -35,11 +36,15 @@ STAT_KEYS = ("allocated_blocks", "free_blocks", "shared_blocks", "cached_blocks"
 
 
 def process_alive(pid: int, start_time: float) -> bool:
-    """Whether process ``pid`` exists and started at ``start_time`` (not a reused pid)."""
+    """Whether process ``pid`` exists, started at ``start_time`` (not a reused
+    pid) and has not exited (a zombie, not yet reaped, is dead)."""
     if pid <= 0:
         return False
     try:
-        ct = psutil.Process(pid).create_time()
+        proc = psutil.Process(pid)
+        ct = proc.create_time()
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False    # exited, not yet reaped by its parent: holds nothing
     except psutil.NoSuchProcess:
         return False
     except psutil.AccessDenied:
@@ -151,6 +156,40 @@ class PoolView:
             self._lock = open_mutex(self._lock_mm)
         return self._lock
 
+    def lock_word(self) -> int:
+        return int(np.frombuffer(self.mm, np.uint32, 1, L.MUTEX_OFF)[0])
+
+    def recorded_holder_pid(self):
+        s = int(self.c[L.C_HOLDER])
+        if 0 <= s < self.layout.max_slots and self.slots["state"][s] == 1 and self.slot_alive(s):
+            return int(self.slots["pid"][s])
+        return None
+
+    def lock_word_problem(self, watch: float = UNRECORDED_OWNER_S):
+        """Why the lock word cannot be a hold (``lock_owner_problem``),
+        once it stayed so, unchanged, for ``watch`` seconds (a hold without a
+        recorded holder lasts milliseconds); None at once when it names
+        nobody or may be a hold."""
+        w = self.lock_word()
+        t0 = time.monotonic()
+        while True:
+            held = time.monotonic() - t0
+            if self.lock_word() != w or not lock_owner_problem(
+                    w, self.recorded_holder_pid(), max(held, UNRECORDED_OWNER_S)):
+                return None
+            if held >= watch:
+                return lock_owner_problem(w, self.recorded_holder_pid(),
+                                          max(held, UNRECORDED_OWNER_S))
+            time.sleep(0.02)
+
+    def stuck_claims(self, watch: float = claims.CLAIM_STUCK_S) -> list:
+        """Problem lines for table claims that name a live slot and stay
+        unchanged for ``watch`` seconds (``claims.stuck_claims``)."""
+        live = lambda s: (0 <= s < self.layout.max_slots and self.slots["state"][s] == 1
+                          and self.slot_alive(s))
+        return claims.stuck_claim_lines(self, claims.stuck_claims(self.tables["claim"], live,
+                                                                  watch))
+
     def stats(self) -> dict:
         s = recovery.scan_stats(self)
         c = self.c
@@ -194,6 +233,13 @@ class PoolView:
                      lock_turns=int(c[L.C_TURN_NEXT]),
                      lock_queue=max(0, int(c[L.C_TURN_NEXT]) - int(c[L.C_TURN_NOW])),
                      dirty=bool(c[L.C_DIRTY]), free_ref_chunks=int(c[L.C_FREE_REFS]))
+            if not consistent:
+                # held past the wait: say by whom, and whether it can be a hold
+                w = self.lock_word()
+                st = thread_status(w & 0x3FFFFFFF) if w & 0x3FFFFFFF else None
+                d["lock_owner"] = {"word": w, "tid": w & 0x3FFFFFFF,
+                                   "pid": st[0] if st else None,
+                                   "problem": self.lock_word_problem(watch=1.0)}
             d["l2"] = self.l2_counters()
             d["layout"] = {k: getattr(lay, k) for k in lay.__dataclass_fields__}
             d["layout"]["block_bytes"] = block_bytes(lay)
@@ -234,6 +280,12 @@ class PoolView:
         snap = _Snapshot(self.name, lay, bytearray(data))
         Pool._map_views(snap, arena=False)
         problems = recovery.check(snap)
+        # what a copy cannot show: a claim or a lock word that does not move
+        problems += self.stuck_claims()
+        why = self.lock_word_problem()
+        if why:
+            problems.append(f"the pool lock's word is no hold: {why} (the next locker takes it "
+                            "over after a few seconds; fsck --repair does)")
         holders = []
         t = snap.tables
         live_t = t["state"] == 1

@@ -15,7 +15,10 @@ it leaves cleanly; whoever next takes the lock and finds it set runs
 
 ``open_hot(mm, layout)`` returns an object with ``init_mutex()``,
 ``trylock()``/``lock()`` (0 taken, 1 taken from a dead holder, -1 busy for
-``trylock``), ``unlock()``, ``release()``, ``lock_slices()``, and ``alloc``
+``trylock``; ``lock(True)`` -2, not taken, when the word named one live
+thread for a second: ``PoolLock`` asks the pool to judge it, which may
+``mark_owner_dead(lock_word())``), ``unlock()``, ``release()``,
+``lock_slices()``, and ``alloc``
 and ``free``: the fused operations of ``_hot`` (``_native/hot.cpp``, the
 nanobind binding of the ``hot_*.h`` core), or None (then ``fastpath`` does
 them in Python under the lock). ``_hot`` also has the table
@@ -32,7 +35,7 @@ import threading
 import time
 
 from . import layout as L
-from .errors import ShmCacheError
+from .errors import CorruptPoolError, ShmCacheError
 from .layout import C_DIRTY, C_HOLDER, C_LOCK_WAIT_NS, C_OPS
 from .platform import RobustMutex
 
@@ -148,6 +151,7 @@ class PoolLock:
         self.trace = False          # trace each hold in the native trace (bench_scale --trace)
         self.claimed = []           # tables whose claim this hold took (claims.py)
         self.release_claims = None  # gives them back (set by the pool)
+        self.on_stuck = None        # judges a lock word that names one live thread (the pool)
         self._asked = self._locked = 0
 
     def __enter__(self):
@@ -193,7 +197,10 @@ class PoolLock:
             if trylock() >= 0:
                 break
         else:
-            self.native.lock()
+            # -2: the word named one live thread for a second; the pool
+            # judges whether that can be a hold (slots.lock_owner_problem)
+            while self.native.lock(self.on_stuck is not None) < 0:
+                self.on_stuck()
         waited = time.perf_counter_ns() - t0
         if self.wait_log is not None:
             self.wait_log.append(waited)
@@ -207,10 +214,12 @@ class PoolLock:
         except BaseException:
             # Still dirty: the next holder repairs. Never keep the lock.
             self._depth = 0
-            if self.claimed:
-                self.release_claims()
-            self.native.unlock()
-            self._tlock.release()
+            try:
+                if self.claimed:
+                    self.release_claims()
+                self._unlock()
+            finally:
+                self._tlock.release()
             raise
         self._c[C_DIRTY] = 1
 
@@ -228,14 +237,33 @@ class PoolLock:
             c = self._c
             c[C_OPS] += 1
             c[C_DIRTY] = self._keep_dirty
+            if not self._keep_dirty:
+                # no holder now (a dirty pool keeps the one that left it so)
+                c[C_HOLDER] = -1
         finally:
-            if self.claimed:
-                self.release_claims()
-            self.native.unlock()
-            if self.trace:
-                self.native.trace_hold(self._asked, self._locked, time.monotonic_ns())
-            self._tlock.release()
+            try:
+                if self.claimed:
+                    self.release_claims()
+                self._unlock()
+            finally:
+                if self.trace:
+                    self.native.trace_hold(self._asked, self._locked, time.monotonic_ns())
+                self._tlock.release()
         return False
+
+    def _unlock(self) -> None:
+        try:
+            self.native.unlock()
+        except PermissionError:
+            # EPERM: the lock word no longer names this thread: it was
+            # overwritten while held (and the lock maybe taken over as from
+            # a dead holder). This hold may have overlapped another: the
+            # next holder repairs.
+            self._c[C_DIRTY] = 1
+            raise CorruptPoolError(
+                "the pool lock was taken from this process while it held it (its lock word "
+                "was overwritten); the pool is marked for repair by its next lock holder"
+            ) from None
 
     @property
     def held(self) -> bool:

@@ -172,9 +172,11 @@ class RobustMutex:
     def trylock(self) -> int:
         return self._taken(_libc.pthread_mutex_trylock(self._mutex()), True)
 
-    def lock(self) -> int:
+    def lock(self, give_up: bool = False) -> int:
         # As _hot's lock_bounded: no futex sleep longer than LOCK_SLICE_S, so
         # a wake-up lost to a killed waiter or unlocker costs one slice.
+        # give_up: -2 (not locked) when the word named one live thread for
+        # DEAD_OWNER_SLICES (the caller judges it: slots.lock_owner_problem).
         m = self._mutex()
         ts = _Timespec()
         last, same = None, 0
@@ -193,6 +195,8 @@ class RobustMutex:
             if same >= DEAD_OWNER_SLICES:      # as _hot's owner_vanished
                 self._owner_vanished(w)
                 same = 0
+                if give_up and self._word.value == w:
+                    return -2
 
     def _owner_vanished(self, w: int) -> None:
         tid = w & 0x3FFFFFFF
@@ -205,12 +209,26 @@ class RobustMutex:
             pass
         except OSError:
             return
+        self.mark_owner_dead(w)
+
+    def mark_owner_dead(self, w: int) -> bool:
+        """Mark the owner of lock word ``w`` dead, as the kernel does at a
+        thread's exit, if the word is still ``w``: the next lock attempt
+        returns EOWNERDEAD and repairs."""
+        if not w & 0x3FFFFFFF or w & 0x40000000:
+            return False
         # NOTE: ctypes has no compare-and-swap, so this is a store after a
-        # re-read: the named holder is dead, so only a waiter that takes the
-        # lock in the few instructions between could have changed the word.
-        # The C accelerator (the normal path) uses a real CAS.
-        if self._word.value == w:
-            self._word.value = (w & 0x80000000) | 0x40000000
+        # re-read: the named holder is dead (or judged no holder), so only a
+        # waiter that takes the lock in the few instructions between could
+        # have changed the word. The C accelerator (the normal path) uses a
+        # real CAS.
+        if self._word.value != w:
+            return False
+        self._word.value = (w & 0x80000000) | 0x40000000
+        return True
+
+    def lock_word(self) -> int:
+        return self._word.value
 
     slices = 0          # timed-lock slices that ran out in this process (a test hook)
 

@@ -59,6 +59,8 @@ class Pool(SlotOps):
         self.lock.check_usable = self.check_usable
         self.lock.unusable = False
         self.lock.release_claims = lambda: claims.release(self)
+        self.lock.on_stuck = self.on_stuck_lock_word
+        self._stuck_word = None     # (lock word, when first seen) while it stays
         self.reclaimed_in_repair = 0     # references released by repairs, not yet reported
         live_pools.add(self)       # (last: the fork handler needs a whole Pool)
 

@@ -73,8 +73,34 @@ def release_slot_holdings(p, refs: RefStore, slot: int) -> int:
     return n
 
 
+def orphan_tables(p) -> list:
+    """Live tables whose owner is no attached slot (a corrupted owner
+    field: a slot's tables are released before the slot is freed, so only a
+    flipped word makes one): nobody would ever release their blocks."""
+    t = p.tables
+    ow = t["owner"].astype(np.int64)
+    ok = (ow >= 0) & (ow < p.layout.max_slots)
+    attached = np.zeros(len(ow), bool)
+    attached[ok] = p.slots["state"][ow[ok]] == 1
+    return np.flatnonzero((t["state"] == 1) & ~attached).tolist()
+
+
+def release_orphan_tables(p, refs: RefStore) -> int:
+    """Release every table ``orphan_tables`` finds, as a dead owner's."""
+    fq = SharedFreeQueue(p)
+    n = 0
+    for t in orphan_tables(p):
+        claim(p, t)
+        unlink_table(p, t)
+        for b in reversed(refs.pop_table(t)):
+            release_block(p, fq, b)
+            n += 1
+    return n
+
+
 def reclaim_dead_slots(p, refs: RefStore | None = None) -> int:
-    """Release everything dead processes hold and free their slots.
+    """Release everything dead processes hold and free their slots, and the
+    tables whose owner is no attached slot.
 
     Returns:
         The number of references released (also added to ``C_RECLAIMED``).
@@ -84,6 +110,7 @@ def reclaim_dead_slots(p, refs: RefStore | None = None) -> int:
     for s in p.dead_slots():
         n += release_slot_holdings(p, refs, s)
         p.slots["state"][s] = 0
+    n += release_orphan_tables(p, refs)
     p.c[L.C_RECLAIMED] += n
     return n
 

@@ -17,6 +17,7 @@ from . import layout as L
 from .errors import CorruptPoolError
 from .index import OpenIndex
 from . import claims, reserve
+from .reclaim import orphan_tables
 
 CI, CW = L.CHUNK_IDS, L.CHUNK_WORDS
 
@@ -252,6 +253,10 @@ def check(p) -> list:
             out.append(f"table {t}: num_tokens {p.t_tok[t]} is negative")
     if p.c[L.C_NUM_TABLES] != len(live):
         out.append(f"table counter {p.c[L.C_NUM_TABLES]} != {len(live)} live tables")
+    for t in orphan_tables(p):
+        out.append(f"table {t} ({bytes(p.tables['request_id'][t]).rstrip(bytes(1))!r}) is owned "
+                   f"by slot {int(p.tables['owner'][t])}, which is not attached: nobody would "
+                   f"release its {int(p.t_len[t])} blocks (a corrupted owner; reclaim releases it)")
     out += claims.stale_claims(p)
     if p.c[L.C_PURE] != claims.count_pure(p):
         out.append(f"pure-process counter {p.c[L.C_PURE]} != {claims.count_pure(p)} attached")

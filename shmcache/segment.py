@@ -54,6 +54,18 @@ def _open_unnamed(path: str, tmpfile: bool = True) -> tuple:
     except FileExistsError:
         raise PoolExistsError(f"pool {path[len(SHM_DIR) + 1 + len(PREFIX):]!r} already exists "
                               f"({path})") from None
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        # (a file needs an inode: a tmpfs can run out of them with bytes free)
+        try:
+            st = os.statvfs(SHM_DIR)
+            inodes = f"{st.f_favail:,} of {st.f_files:,} inodes free"
+        except OSError:
+            inodes = "inodes unknown"
+        raise InsufficientSharedMemoryError(
+            f"pool {path[len(SHM_DIR) + 1 + len(PREFIX):]!r}: cannot create a file in "
+            f"{SHM_DIR} ({e.strerror}; {inodes}, {free_bytes(SHM_DIR):,} bytes free)") from None
 
 
 def create_file(name: str, size: int, header: bytes = b"", private: bool = False) -> int:

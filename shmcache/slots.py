@@ -19,6 +19,7 @@ this thread holds a segment's lock through another manager.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import weakref
@@ -30,6 +31,8 @@ from . import claims
 from . import layout as L
 from .errors import CapacityError
 from .platform import byte_held_by_other, byte_lock, byte_unlock
+
+logger = logging.getLogger("shmcache.paged_cache")
 
 live_pools: "weakref.WeakSet" = weakref.WeakSet()   # every mapped Pool of this process
 
@@ -59,6 +62,64 @@ def liveness_fd(fd: int) -> int:
         return os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
     except OSError:
         return fd
+
+
+# How long the pool lock's word may name one live process that is not the
+# pool's recorded holder before the word is taken for a corrupted one. The
+# holds that record no holder (an attacher taking its slot, ``shmcache
+# inspect``'s snapshot, ``cleanup`` deciding) last milliseconds; a holder with
+# a slot records itself (C_HOLDER) on entry, or, finding the pool dirty,
+# after waiting up to 2 s for the dead holder (``_await_dead_holder``).
+UNRECORDED_OWNER_S = 3.0
+
+_TID_MASK, _OWNER_DIED = 0x3FFFFFFF, 0x40000000
+
+
+def thread_status(tid: int):
+    """(tgid, state letter) of thread ``tid`` from /proc, or None if there
+    is no such thread."""
+    try:
+        with open(f"/proc/{tid}/status", "rb") as f:
+            text = f.read().decode("ascii", "replace")
+    except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
+        return None
+    except OSError:
+        return (tid, "?")       # exists, unreadable
+    tgid, state = tid, "?"
+    for line in text.splitlines():
+        if line.startswith("Tgid:"):
+            tgid = int(line.split()[1])
+        elif line.startswith("State:"):
+            state = line.split()[1]
+    return tgid, state
+
+
+def lock_owner_problem(word: int, holder_pid, held_s: float):
+    """Why the pool lock's word ``word`` cannot be a hold, or None when it
+    may be one (or names nobody).
+
+    ``holder_pid``: the pid of the recorded holder (C_HOLDER's slot, when
+    that slot is attached and alive), else None; ``held_s``: how long the
+    word has stayed ``word``. A thread that no longer exists or is a zombie
+    holds nothing (had it died holding the lock, the kernel would have
+    marked the word). A live process that is not the recorded holder may
+    hold the lock only briefly (``UNRECORDED_OWNER_S``): a process that
+    never attached cannot hold it longer.
+    """
+    tid = word & _TID_MASK
+    if not tid or word & _OWNER_DIED:
+        return None
+    st = thread_status(tid)
+    if st is None:
+        return f"it names thread {tid}, which does not exist"
+    tgid, state = st
+    if state in ("Z", "X"):
+        return f"it names thread {tid} of process {tgid}, which is a zombie"
+    if held_s >= UNRECORDED_OWNER_S and tgid != holder_pid:
+        return (f"it names thread {tid} of live process {tgid}, which has not been the "
+                f"pool's recorded lock holder for {held_s:.1f} s (never attached, or a "
+                "corrupted word)")
+    return None
 
 
 def process_start_time(pid: int) -> float:
@@ -120,6 +181,31 @@ class SlotOps:
             self.slots["state"][self.slot] = 0
             byte_unlock(self.live_fd, self._liveness_off(self.slot))
             self.slot = self.lock.slot = -1
+
+    def recorded_holder_pid(self):
+        """The pid of the lock's recorded holder (C_HOLDER), if that slot is
+        attached and alive; else None."""
+        s = int(self.c[L.C_HOLDER])
+        if 0 <= s < self.layout.max_slots and self.slots["state"][s] == 1 and self.slot_alive(s):
+            return int(self.slots["pid"][s])
+        return None
+
+    def on_stuck_lock_word(self) -> None:
+        """The lock's word named one live thread for a second (PoolLock's
+        wait): when it cannot be a hold (``lock_owner_problem``), mark its
+        owner dead, so that the next lock attempt takes the lock as from a
+        dead holder and repairs. Called without the lock."""
+        w = int(self.native.lock_word())
+        now = time.monotonic()
+        first = self._stuck_word
+        if first is None or first[0] != w:
+            # (the native wait saw the word unchanged for a second already)
+            self._stuck_word = first = (w, now - 1.0)
+        why = lock_owner_problem(w, self.recorded_holder_pid(), now - first[1])
+        if why and self.native.mark_owner_dead(w):
+            self._stuck_word = None
+            logger.warning("pool %r: the lock word is no hold (%s): taken over as from a "
+                           "dead holder", self.name, why)
 
     def _await_dead_holder(self, timeout: float = 2.0) -> None:
         # NOTE: the kernel hands a robust mutex on when its dying holder's

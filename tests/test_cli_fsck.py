@@ -73,7 +73,8 @@ def test_fsck_is_read_only_even_on_a_dirty_pool(make_pool):
 
 def test_fsck_never_waits_for_the_lock(make_pool):
     """A lock word naming a thread that is gone (no kernel hand-over) made
-    fsck wait forever: the read-only check takes no lock at all."""
+    fsck wait forever: the read-only check takes no lock at all, and reports
+    the word as no hold (issue 29), the pool otherwise consistent."""
     m = busy_pool(make_pool)
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True).stdout.strip()
@@ -83,7 +84,10 @@ def test_fsck_never_waits_for_the_lock(make_pool):
         t0 = time.monotonic()
         r = run("fsck", m.name, timeout=30)
         assert time.monotonic() - t0 < 20
-        assert r.returncode == 0 and "consistent" in r.stdout, r.stdout + r.stderr
+        assert r.returncode == 1, r.stdout + r.stderr
+        lines = r.stdout.strip().splitlines()
+        assert len(lines) == 1 and "lock's word is no hold" in lines[0], r.stdout
+        assert "does not exist" in lines[0]
     finally:
         word[0] = 0
         word.release()

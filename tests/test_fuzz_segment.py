@@ -311,6 +311,147 @@ def test_corrupted_segments_never_crash_or_hang(make_pool, tmp_path):
                     print(r["case"], label, msg)
 
 
+# ========================================================== a live pool
+#
+# The cases above corrupt a copy that one process then uses. Here words of a
+# pool are corrupted while other processes use it (two with the C
+# accelerator, one pure): table claims naming a live slot, the lock word
+# naming a live process that never attached, a zombie or a dead thread,
+# table owners, and odd int32s in the records, indexes, chunks and
+# counters. Every worker must keep finishing steps (an operation done, or a
+# clear error) with no gap longer than LIVE_GAP_S, never hang (an alarm
+# kills it) or die, and ``fsck --repair`` must then leave the pool
+# consistent.
+
+LIVE_S = 3.0            # how long the words are corrupted
+LIVE_GAP_S = 15.0       # the longest a worker may go without finishing a step (a lock
+                        # word is taken over after 3 s, a claim after 1 s, each behind
+                        # the lock, on a shared 2-core machine)
+
+LIVE_WORKER = r"""
+import json, signal, sys, time
+import shmcache
+name, me, until = sys.argv[1], sys.argv[2], float(sys.argv[3])
+ALLOWED = ("ShmCacheError", "ValueError", "KeyError", "TypeError")
+signal.signal(signal.SIGALRM, signal.SIG_DFL)       # a hang, even in C, ends the process
+signal.alarm(int(until - time.time()) + 40)
+import logging
+logging.disable(logging.CRITICAL)                   # repairs log warnings: expected here
+m = shmcache.attach(name)
+print("ready", flush=True)
+last, gap, steps, errors, bad = time.monotonic(), 0.0, 0, {}, []
+
+def step(fn):
+    global last, gap, steps
+    try:
+        return fn()
+    except Exception as e:
+        kind = next((c.__name__ for c in type(e).__mro__ if c.__name__ in ALLOWED), None)
+        if kind is None:
+            bad.append(f"{type(e).__name__}: {e}"[:300])
+        errors[type(e).__name__] = errors.get(type(e).__name__, 0) + 1
+    finally:
+        now = time.monotonic()
+        gap = max(gap, now - last)
+        last = now
+        steps += 1
+
+i = 0
+while time.time() < until:
+    rid = f"w{me}-{i}"
+    i += 1
+    t = step(lambda: m.create_block_table(rid))
+    if t is not None:
+        step(lambda: m.prepare_append(t, 5))
+        for _ in range(3):
+            step(lambda: m.prepare_append(t, 1))
+        step(lambda: list(t.block_ids))
+    got = step(lambda: m.get_new_blocks(2))
+    if got:
+        step(lambda: m.free_block_batch(got))
+    step(lambda: m.get_computed_blocks(list(range(8))))
+    step(lambda: m.delete_block_table(rid))
+step(m.close)
+print(json.dumps({"steps": steps, "gap": gap, "errors": errors, "bad": bad}), flush=True)
+"""
+
+
+def test_a_live_pool_with_corrupted_words_hangs_nobody(make_pool):
+    import random
+    import select
+
+    from shmcache import layout as L
+
+    m = make_pool(block_size=4, max_blocks=64, max_slots=8, max_tables=16)
+    lay, p = m.layout, m._p
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    until = time.time() + LIVE_S + 2.0
+    workers = []
+    for w, pure in enumerate((False, False, True)):
+        env = dict(os.environ, PYTHONPATH=root)
+        env.pop("SHMCACHE_PURE", None)
+        if pure:
+            env["SHMCACHE_PURE"] = "1"
+        workers.append(subprocess.Popen([sys.executable, "-c", LIVE_WORKER, m.name, str(w),
+                                         str(until)], stdout=subprocess.PIPE, text=True,
+                                        env=env))
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    rng = random.Random(int(os.environ.get("FUZZ_SEED", "12")))
+    done = []
+    try:
+        for w in workers:
+            r, _, _ = select.select([w.stdout], [], [], 60)
+            assert r and w.stdout.readline().strip() == "ready"
+        word = lambda off: np.frombuffer(p.mm, np.int32, 1, off)
+        regions = _regions(lay)
+        del regions["header"]           # (checked at attach: fsck --repair would refuse)
+        lock_words = [sleeper.pid, zombie.pid, dead.pid]
+        end = time.monotonic() + LIVE_S
+        while time.monotonic() < end:
+            kind = rng.choice(["claim", "claim", "owner", "words", "words", "words", "lock"])
+            live = np.flatnonzero(p.slots["state"] == 1).tolist() or [0]
+            t = rng.randrange(lay.max_tables)
+            if kind == "claim":
+                p.t_claim[t] = rng.choice(live) + 1 if rng.random() < 0.7 else rng.choice(
+                    INT32_VALUES)
+            elif kind == "owner":
+                p.t_owner[t] = rng.choice(INT32_VALUES + (lay.max_slots - 1,))
+            elif kind == "lock" and lock_words:
+                np.frombuffer(p.mm, np.uint32, 1, L.MUTEX_OFF)[0] = lock_words.pop(0)
+            else:
+                name = rng.choice(list(regions))
+                lo, hi = regions[name]
+                off = lo + rng.randrange(0, (hi - lo) // 4) * 4
+                word(off)[0] = rng.choice(INT32_VALUES + (lay.max_blocks - 1, lay.max_blocks,
+                                                          lay.num_chunks))
+            done.append(kind)
+            time.sleep(0.1)
+        results = []
+        for w in workers:
+            out, _ = w.communicate(timeout=LIVE_GAP_S + 60)
+            assert w.returncode == 0, f"a worker died (exit {w.returncode}): a hang or a crash"
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for x in workers + [sleeper]:
+            x.kill()
+            x.wait(timeout=10)
+        zombie.wait(timeout=10)
+    for r in results:
+        assert not r["bad"], r["bad"]
+        assert r["steps"] > 10 and r["gap"] < LIVE_GAP_S, r
+    from shmcache import cli
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        rc = cli.main(["fsck", "--repair", m.name])
+    assert rc == 0, out.getvalue()
+    assert m.check() == []
+    print(f"{len(done)} corruptions ({', '.join(sorted(set(done)))}); "
+          f"{[(r['steps'], round(r['gap'], 2), r['errors']) for r in results]}")
+
+
 def segment_path(name: str) -> str:
     from shmcache import segment
     return segment.path_for(name)

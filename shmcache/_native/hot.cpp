@@ -123,15 +123,17 @@ nb::object hot_trylock_py(Hot &self) {
     return int_result(hot_trylock(ready(self)));
 }
 
-nb::object hot_lock_py(Hot &self) {
+nb::object hot_lock_py(Hot &self, bool give_up) {
     HotCore *h = ready(self);
     int e;
     {
         nb::gil_scoped_release unlocked;
-        e = hot_lock(h, &lock_slices_expired);
+        e = hot_lock(h, &lock_slices_expired, give_up);
     }
     if (e == 0 || e == EOWNERDEAD)
         return int_result(e == EOWNERDEAD);
+    if (e == LOCK_OWNER_STUCK)
+        return int_result(-2);
     raise_errno(e);
 }
 
@@ -269,7 +271,16 @@ NB_MODULE(_hot, m) {
              "set_chunks(nchunks, gen_off, c_tokens): what the fused ops need beyond the parameters.")
         .def("init_mutex", &hot_init_mutex_py, "Initialise the robust mutex (creator only).")
         .def("trylock", &hot_trylock_py, "0 locked, 1 locked after the holder died, -1 busy.")
-        .def("lock", &hot_lock_py, "Wait for the lock (GIL released); 1 if the holder died.")
+        .def("lock", &hot_lock_py, nb::arg("give_up") = false,
+             "Wait for the lock (GIL released); 1 if the holder died; with give_up, -2 "
+             "(not locked) when the word named one live thread for a second.")
+        .def("mark_owner_dead", [](Hot &self, uint32_t w) {
+                 return hot_mark_owner_dead(ready(self)->mutex, w) != 0; },
+             "mark_owner_dead(word) -> whether the lock word, still `word`, was marked "
+             "owner-died (the next locker gets EOWNERDEAD and repairs).")
+        .def("lock_word", [](Hot &self) {
+                 return __atomic_load_n((uint32_t *)ready(self)->mutex, __ATOMIC_ACQUIRE); },
+             "The mutex's lock word (glibc: owner tid | waiters | owner died).")
         .def("unlock", &hot_unlock_py, "Release the lock.")
         .def("lock_slices", [](Hot &) { return lock_slices_expired; },
              "Timed-lock slices this process let run out (a test hook).")

@@ -155,7 +155,12 @@ release(HotCore *h)
             trace_hold(h, h->asked, h->turned, h->hold_start, now, 0);
         h->hold_start = 0;
     }
-    pthread_mutex_unlock(h->mutex);
+    if (pthread_mutex_unlock(h->mutex) == EPERM) {
+        /* the lock word was overwritten while held (and maybe the lock taken
+         * over): this hold may have overlapped another; the next holder
+         * repairs */
+        C(h, P_C_DIRTY) = 1;
+    }
     pass_turn(h, t);
 }
 
@@ -200,6 +205,10 @@ leave(HotCore *h, int changed)
         STORE_ORDER();
         C(h, P_C_DIRTY) = 0;
     }
+    /* no holder now (a dirty pool keeps the one that left it so): a lock
+     * word naming a process that is not the recorded holder is not a hold
+     * (slots.py's lock_owner_problem) */
+    C(h, P_C_HOLDER) = -1;
     release(h);
 }
 

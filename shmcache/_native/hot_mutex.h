@@ -151,8 +151,27 @@ owner_vanished(pthread_mutex_t *m, uint32_t w)
                                 __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
 }
 
+/* lock_bounded's answer when the lock word named one thread that still
+ * exists for DEAD_OWNER_SLICES and the caller asked to hear it (give_up):
+ * the lock is not held; the caller decides (a zombie, or a process that is
+ * not the pool's recorded holder: slots.py's lock_owner_problem) and may
+ * mark the owner dead (hot_mark_owner_dead) before it waits again. */
+#define LOCK_OWNER_STUCK (-2)
+
+/* Mark the owner of lock word w dead, as the kernel does at a thread's exit
+ * (compare-and-swap: a word that changed meanwhile is left alone), so that
+ * the next lock attempt returns EOWNERDEAD and repairs: 1 if marked. */
 static inline int
-lock_bounded(pthread_mutex_t *m, long *slices)
+hot_mark_owner_dead(pthread_mutex_t *m, uint32_t w)
+{
+    if (!(w & W_TID_MASK) || (w & W_OWNER_DIED))
+        return 0;
+    return __atomic_compare_exchange_n((uint32_t *)m, &w, (w & W_WAITERS) | W_OWNER_DIED, 0,
+                                       __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+}
+
+static inline int
+lock_bounded(pthread_mutex_t *m, long *slices, int give_up)
 {
     uint32_t last = 0;
     int same = 0;
@@ -176,18 +195,22 @@ lock_bounded(pthread_mutex_t *m, long *slices)
         if (same >= DEAD_OWNER_SLICES) {
             owner_vanished(m, w);
             same = 0;
+            if (give_up && __atomic_load_n((uint32_t *)m, __ATOMIC_ACQUIRE) == w)
+                return LOCK_OWNER_STUCK;
         }
     }
 }
 
 /* Wait for the lock (the binding releases the GIL around it): 0, locked;
  * EOWNERDEAD, locked after its holder died (made consistent, the pool marked
- * dirty: owner_died); else the errno of the failure (not locked). `slices`
- * counts the wait's slices that ran out (lock_bounded). */
+ * dirty: owner_died); with give_up, LOCK_OWNER_STUCK when the word named
+ * one live thread for DEAD_OWNER_SLICES (not locked); else the errno of the
+ * failure (not locked). `slices` counts the wait's slices that ran out
+ * (lock_bounded). */
 static inline int
-hot_lock(HotCore *h, long *slices)
+hot_lock(HotCore *h, long *slices, int give_up)
 {
-    int e = lock_bounded(h->mutex, slices);
+    int e = lock_bounded(h->mutex, slices, give_up);
     if (e == EOWNERDEAD)
         owner_died(h);
     return e;
@@ -211,7 +234,9 @@ static inline int
 hot_wait_lock(HotCore *h, long *slices)
 {
     int64_t t0 = mono_ns(), w;
-    int e = hot_lock(h, slices);
+    /* (give_up: a word naming a live thread that long is for the slow path
+     * to judge, PoolLock) */
+    int e = hot_lock(h, slices, 1);
     if (e == 0 || e == EOWNERDEAD) {
         int64_t locked = mono_ns();
         w = locked - t0;

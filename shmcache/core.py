@@ -238,6 +238,7 @@ class PoolOps:
         p.t_state[t] = 1           # commit
         p.c[L.C_NUM_TABLES] += 1
         self._tcache[t] = (h, None, {})
+        self._chains.forget(t)
         return t
 
     def _holds(self, b: int) -> bool:
@@ -366,6 +367,8 @@ class PoolOps:
                 refs.drop_loose(b)
             for b in removed:
                 refs.add_loose(b)
+            if len(new) > len(cur) and new[:len(cur)] == cur:
+                self._chains.appended(t, len(cur), new[len(cur):], self._index.hash_of, cur)
             return new, result
 
     def _table_put(self, t: int, ids: list) -> None:
@@ -387,6 +390,8 @@ class PoolOps:
         fresh = sum(max(0, k - avail[b]) for b, k in moved.items())
         # (fresh references pass through this slot's loose list)
         refs.need_chunks(refs.table_chunks_needed(t, len(ids)) + refs.loose_chunks_needed(fresh))
+        start = int(self._p.t_len[t])
+        old = refs.table_blocks(t) if start and self._chains.has(t) else ()
         for b in ids:
             if avail[b] > 0:
                 avail[b] -= 1
@@ -395,6 +400,7 @@ class PoolOps:
         refs.table_extend(t, ids)
         for b in ids:
             refs.drop_loose(b)
+        self._chains.appended(t, start, ids, self._index.hash_of, old)
 
     def _reclaim_locked(self) -> int:
         return reclaim_dead_slots(self._p, self._refs)

@@ -368,7 +368,10 @@ class PoolOps:
             for b in removed:
                 refs.add_loose(b)
             if len(new) > len(cur) and new[:len(cur)] == cur:
-                self._chains.appended(t, len(cur), new[len(cur):], self._index.hash_of, cur)
+                self._chains.last_add = (t, len(new) - 1, new[-1])
+            else:
+                self._chains.cut(t, next((i for i, (a, b) in enumerate(zip(cur, new)) if a != b),
+                                         min(len(cur), len(new))))
             return new, result
 
     def _table_put(self, t: int, ids: list) -> None:
@@ -391,7 +394,6 @@ class PoolOps:
         # (fresh references pass through this slot's loose list)
         refs.need_chunks(refs.table_chunks_needed(t, len(ids)) + refs.loose_chunks_needed(fresh))
         start = int(self._p.t_len[t])
-        old = refs.table_blocks(t) if start and self._chains.has(t) else ()
         for b in ids:
             if avail[b] > 0:
                 avail[b] -= 1
@@ -400,7 +402,8 @@ class PoolOps:
         refs.table_extend(t, ids)
         for b in ids:
             refs.drop_loose(b)
-        self._chains.appended(t, start, ids, self._index.hash_of, old)
+        if ids:
+            self._chains.last_add = (t, start + len(ids) - 1, ids[-1])
 
     def _reclaim_locked(self) -> int:
         return reclaim_dead_slots(self._p, self._refs)

@@ -235,7 +235,7 @@ class PrefixOps(PoolOps):
                 self._set_block_hash(b, hashes[-1])
                 return
             t, i = at
-            ids = self._refs.table_blocks(t) if p.t_state[t] == 1 else []
+            ids = self._refs.table_blocks(self._checked_table(t)) if p.t_state[t] == 1 else []
             known, parent = self._chains.parent_at(t, i, b, ids, self._index.hash_of)
             if not known:
                 logger.debug("block %d at position %d of table %d follows blocks of an "

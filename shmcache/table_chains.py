@@ -8,14 +8,16 @@ The record is this manager's, not the pool's: it only decides which chain
 hash a registration publishes, and every use checks it against the table
 in shared memory first.
 
-Invariant: ``chain(t)`` is a list of ``(block, hash)`` where entry ``i``
-is the block at position ``i`` of table ``t`` and ``hash`` the chain hash
-of the tokens up to its end, known right because either this manager
+Invariant: a table's record is a list of ``(block, hash)`` whose entry
+``i`` is the block at position ``i`` of the table and ``hash`` the chain
+hash of the tokens up to its end, known right because either this manager
 published it there (a registration right after the append, its parent
-the entry before) or it came back from a chain lookup of this manager
-whose first ``i`` hashes are the entries before. A table position with no
-such knowledge ends the record: nothing after it is published from here,
-so a block is never published under a prefix it was not computed after.
+the entry before) or a chain lookup of this manager found it at that
+position after the entries before. A table position with no such
+knowledge ends the record: nothing after it is published from here, so a
+block is never published under a prefix it was not computed after. The
+record is built when a registration needs it, so an append costs one
+tuple.
 """
 
 from __future__ import annotations
@@ -44,53 +46,16 @@ class TableChains:
         if self.last_add is not None and self.last_add[0] == t:
             self.last_add = None
 
-    def has(self, t: int) -> bool:
-        """Whether ``t`` has a record."""
-        return bool(self._rec.get(t))
-
     def looked_up(self, found, hashes) -> None:
         """A chain lookup found ``found`` (their hashes lead ``hashes``)."""
         self._found = list(found)
         self._found_hashes = list(hashes[:len(found)])
 
-    def valid(self, t: int, ids, hash_of) -> List[Entry]:
-        """The record of ``t`` cut to what still holds: the table's block at
-        each position, still cached under the recorded hash."""
+    def cut(self, t: int, n: int) -> None:
+        """Positions ``n..`` of ``t`` were changed other than by an append."""
         rec = self._rec.get(t)
-        if not rec:
-            return []
-        k = 0
-        for (b, h), tb in zip(rec, ids):
-            if b != tb or hash_of(b) != h:
-                break
-            k += 1
-        if k < len(rec):
-            del rec[k:]
-        return rec
-
-    def appended(self, t: int, start: int, ids, hash_of, old_ids) -> None:
-        """Blocks ``ids`` were appended to ``t`` at positions ``start..``
-        (``old_ids``: the table's blocks before). A cached one extends the
-        record when the last lookup of this manager found it at that
-        position after the blocks the record holds."""
-        if not ids:
-            return
-        self.last_add = (t, start + len(ids) - 1, ids[-1])
-        rec = self.valid(t, old_ids, hash_of) if start else []
-        if len(rec) != start:
-            return
-        found, fh = self._found, self._found_hashes
-        if any(fh[j] != rec[j][1] for j in range(min(len(rec), len(fh)))):
-            return
-        for i, b in enumerate(ids, start):
-            h = hash_of(b)
-            if h is None or i >= len(found) or found[i] != b or fh[i] != h:
-                break
-            rec.append((b, h))
-        if rec:
-            self._rec[t] = rec
-        else:
-            self._rec.pop(t, None)
+        if rec and len(rec) > n:
+            del rec[n:]
 
     def just_appended(self, b: int) -> Optional[Tuple[int, int]]:
         """(table, position) where this manager last appended a block, if
@@ -99,15 +64,37 @@ class TableChains:
         return (la[0], la[1]) if la is not None and la[2] == b else None
 
     def parent_at(self, t: int, i: int, b: int, ids, hash_of) -> Tuple[bool, Optional[bytes]]:
-        """Whether block ``b``, at position ``i`` of ``t`` (``ids``: its
-        blocks now), can be published from its own tokens, and under which
-        parent hash (None: position 0, the chain's root)."""
+        """Whether block ``b``, at position ``i`` of ``t`` (``ids``: the
+        table's blocks now), can be published from its own tokens, and under
+        which parent hash (None: position 0, the chain's root).
+
+        The record must reach position ``i``: it is kept while its last
+        block is still at its position (the table's reference keeps that
+        block from reuse, and its chain hash covers every entry before it),
+        and extended by the blocks of the last lookup that sit at their
+        positions and are still cached under the hashes it found."""
         if i >= len(ids) or ids[i] != b:
             return False, None
-        rec = self.valid(t, ids, hash_of)
-        if len(rec) != i:
+        if i == 0:
+            return True, None
+        rec = self._rec.get(t) or []
+        if rec and (len(rec) > len(ids) or ids[len(rec) - 1] != rec[-1][0]):
+            rec = []
+        if len(rec) > i:
+            del rec[i:]
+        k = len(rec)
+        found, fh = self._found, self._found_hashes
+        if k < i and (not k or (len(fh) >= k and fh[k - 1] == rec[-1][1])):
+            while k < i and k < len(found) and ids[k] == found[k] and hash_of(found[k]) == fh[k]:
+                rec.append((found[k], fh[k]))
+                k += 1
+        if rec:
+            self._rec[t] = rec
+        else:
+            self._rec.pop(t, None)
+        if k != i:
             return False, None
-        return True, (rec[-1][1] if rec else None)
+        return True, rec[-1][1]
 
     def published(self, t: int, i: int, b: int, h: bytes) -> None:
         """``b``, at position ``i`` of ``t`` (the record's next), was published under ``h``."""

@@ -87,6 +87,44 @@ def test_a_block_after_an_unknown_prefix_is_not_published():
     m.destroy()
 
 
+def test_a_block_after_blocks_found_by_a_lookup_is_keyed_after_them():
+    """Blocks a chain lookup found, appended at their positions, are a
+    known prefix: a block registered after them extends the chain, which a
+    later lookup then finds whole. A table position changed by an edit
+    other than an append ends what is known."""
+    m = pc.PagedCacheManager(block_size=4, max_blocks=32)
+    P, A, B = toks(8, 10), toks(4, 40), toks(4, 50)
+    t1 = m.create_block_table("r1")
+    for i in range(2):
+        b = m.allocate_block()
+        t1.block_ids.append(b.block_id)
+        m.register_block_hash(b, P[4 * i:4 * i + 4])
+    found, rest = m.find_shared_prefix(P + A)
+    assert len(found) == 2 and rest == A
+    t2 = m.create_block_table("r2")
+    for b in found:
+        m.increment_ref(b)
+        t2.block_ids.append(b)
+    a = m.allocate_block()
+    t2.block_ids.append(a.block_id)
+    m.register_block_hash(a, A)
+    assert m.find_shared_prefix(P + A + B) == (found + [a.block_id], B)
+    # an edit in the middle: what follows is not published
+    t3 = m.create_block_table("r3")
+    for b in found + [a.block_id]:
+        m.increment_ref(b)
+        t3.block_ids.append(b)
+    other = m.allocate_block()
+    t3.block_ids[1] = other.block_id            # position 1 now holds another block
+    c = m.allocate_block()
+    t3.block_ids.append(c.block_id)
+    m.register_block_hash(c, B)
+    assert m._index.hash_of(c.block_id) is None
+    assert m.find_shared_prefix(P + A + B)[0] == found + [a.block_id]
+    assert m.check() == []
+    m.destroy()
+
+
 # =================================================== BlockAwarePrefixCache
 def _reuse(make, n_prompts=20, prefix_blocks=10, block_size=64, suffix=100):
     """``n_prompts`` prompts sharing ``prefix_blocks`` blocks, each through

@@ -2,8 +2,19 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# vllm-mlx 0.6.0's own paged-cache tests run over the seed and over a pool in
+# an environment of their own: the mlx-lm vllm-mlx requires (<0.32; shmcache
+# needs >=0.32.2), the mlx of $(VENV) (shmcache's C extensions are built
+# against it), vllm-mlx from its released sdist (--no-deps: the paged cache
+# needs none of its server stack), shmcache from this tree (PYTHONPATH)
+SEED_VENV := .venv-seed
+SEED_VERSION := 0.6.0
+SEED_SDIST := $(SEED_VENV)/sdist/vllm_mlx-$(SEED_VERSION).tar.gz
+SEED_STAMP := $(SEED_VENV)/.installed
+# (its benefit demos return their figures, which pytest warns about)
+SEED_PYTEST := -p no:cacheprovider -W ignore::pytest.PytestReturnNotNoneWarning
 
-.PHONY: setup test run bench clean
+.PHONY: setup test run bench clean seed-env seed-test
 
 setup: $(STAMP)
 	@# the default model's weights: SmolLM2-135M-Instruct as a GGUF file (93 MB, Apache-2.0);
@@ -26,7 +37,31 @@ $(STAMP): pyproject.toml setup.py shmcache/_native/hot.cpp $(wildcard shmcache/_
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
 
-test: setup
+seed-env: $(SEED_STAMP)
+
+$(SEED_STAMP): $(STAMP) tools/seed_suite.py
+	rm -rf $(SEED_VENV)
+	$(PY) -m venv $(SEED_VENV)
+	$(SEED_VENV)/bin/pip install -q --upgrade pip
+	MLX=$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("mlx"))') && \
+	if [ "$$(uname -s)" = Linux ]; then MLX_REQ="mlx[cpu]==$$MLX"; else MLX_REQ="mlx==$$MLX"; fi && \
+	$(SEED_VENV)/bin/pip install -q "$$MLX_REQ" "mlx-lm>=0.31.3,<0.32" numpy msgspec psutil "pytest>=7" pytest-timeout
+	$(SEED_VENV)/bin/pip download -q --no-binary :all: --no-deps -d $(SEED_VENV)/sdist vllm-mlx==$(SEED_VERSION)
+	$(SEED_VENV)/bin/pip install -q --no-deps $(SEED_SDIST)
+	$(SEED_VENV)/bin/python -m tools.seed_suite prepare $(SEED_SDIST) $(SEED_VENV)/seed-tests
+	touch $@
+
+# the seed's suite over the seed module, then over a pool (tools/seed_suite_plugin.py),
+# and the reuse comparison with the mlx-lm vllm-mlx requires
+seed-test: seed-env
+	SHMCACHE_SEED_SUITE=seed PYTHONPATH=$(CURDIR) $(SEED_VENV)/bin/python -m pytest -q $(SEED_PYTEST) \
+		-p tools.seed_suite_plugin $(SEED_VENV)/seed-tests
+	SHMCACHE_SEED_SUITE=pool PYTHONPATH=$(CURDIR) $(SEED_VENV)/bin/python -m pytest -q $(SEED_PYTEST) \
+		-p tools.seed_suite_plugin $(SEED_VENV)/seed-tests
+	PYTHONPATH=$(CURDIR) $(SEED_VENV)/bin/python -m pytest -q -p no:cacheprovider \
+		tests/test_seed_reuse.py tests/test_seed_consumer.py
+
+test: setup seed-test
 	@# a real redis-server for the L2 tests (tests/_redis.py starts and stops its own,
 	@# on a free port); without one they are skipped, with the reason in the summary
 	@if ! command -v redis-server >/dev/null 2>&1 && [ ! -x /usr/bin/redis-server ]; then \
@@ -57,4 +92,4 @@ bench: setup
 	$(BIN)/python -m tools.bench_l2
 
 clean:
-	rm -rf $(VENV) build *.egg-info shmcache/*.so
+	rm -rf $(VENV) $(SEED_VENV) build *.egg-info shmcache/*.so

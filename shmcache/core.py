@@ -238,6 +238,7 @@ class PoolOps:
         p.t_state[t] = 1           # commit
         p.c[L.C_NUM_TABLES] += 1
         self._tcache[t] = (h, None, {})
+        self._chains.forget(t)
         return t
 
     def _holds(self, b: int) -> bool:
@@ -366,6 +367,11 @@ class PoolOps:
                 refs.drop_loose(b)
             for b in removed:
                 refs.add_loose(b)
+            if len(new) > len(cur) and new[:len(cur)] == cur:
+                self._chains.last_add = (t, len(new) - 1, new[-1])
+            else:
+                self._chains.cut(t, next((i for i, (a, b) in enumerate(zip(cur, new)) if a != b),
+                                         min(len(cur), len(new))))
             return new, result
 
     def _table_put(self, t: int, ids: list) -> None:
@@ -387,6 +393,7 @@ class PoolOps:
         fresh = sum(max(0, k - avail[b]) for b, k in moved.items())
         # (fresh references pass through this slot's loose list)
         refs.need_chunks(refs.table_chunks_needed(t, len(ids)) + refs.loose_chunks_needed(fresh))
+        start = int(self._p.t_len[t])
         for b in ids:
             if avail[b] > 0:
                 avail[b] -= 1
@@ -395,6 +402,8 @@ class PoolOps:
         refs.table_extend(t, ids)
         for b in ids:
             refs.drop_loose(b)
+        if ids:
+            self._chains.last_add = (t, start + len(ids) - 1, ids[-1])
 
     def _reclaim_locked(self) -> int:
         return reclaim_dead_slots(self._p, self._refs)

@@ -43,6 +43,7 @@ from .pool import Pool
 from .reclaim import close as _close
 from .prefix import PrefixOps
 from .tables import TableOps
+from .table_chains import TableChains
 from .refs import RefStore
 from .seed_views import (AllocatedBlocksView, BlocksView, LegacyHashView, RequestTablesView,
                          SeedFreeQueue, SharedHashMap, SharedStats)
@@ -88,6 +89,7 @@ class PagedCacheManager(TableOps, PrefixOps, KVOps, AdminOps):
         self.enable_caching = lay.enable_caching
         self._refs = RefStore(p)
         self._tcache: Dict[int, tuple] = {}     # tables created here (see _holds)
+        self._chains = TableChains()            # prefix positions of appended blocks
         self._cdata: Dict[int, tuple] = {}      # block -> (generation, cache_data)
         self._cdata_prune = 64
         self._epoch = p.c[L.C_EPOCH]

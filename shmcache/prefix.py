@@ -103,6 +103,7 @@ class PrefixOps(PoolOps):
             self._sync()
             found = self._lookup_chain(hashes)
             self._count_lookup(found, hashes)
+        self._chains.looked_up(found, hashes)
         return [SharedBlock(self, b) for b in found], len(found) * self.block_size
 
     def acquire_computed_blocks(self, token_ids: List[int],
@@ -152,6 +153,7 @@ class PrefixOps(PoolOps):
                 self._count_lookup(found, hashes)
                 for b in found:
                     self._take_ref(b)
+                self._chains.looked_up(found, hashes)
             else:
                 t = self._table_index(table)
                 found = self._lookup_chain(hashes)
@@ -203,16 +205,46 @@ class PrefixOps(PoolOps):
         return self._hashes(tokens, -(-len(tokens) // self.block_size), None)
 
     def register_block_hash(self, block: CacheBlock, tokens: List[int]) -> None:
-        """Cache ``block`` as the last block of the prefix ``tokens``."""
-        hashes = self._chunk_hashes(tokens)
-        if not hashes:
+        """Cache ``block`` under the prefix it ends.
+
+        ``tokens`` is that prefix from position 0, except for the block this
+        manager appended to a table last, given at most one block of tokens:
+        those are the block's own tokens (as vllm-mlx's
+        ``BlockAwarePrefixCache.store_cache`` registers each block right
+        after appending it), and its prefix is the table's blocks before it
+        (``table_chains``). When the blocks before it were not all cached
+        by this manager's registrations or found by its chain lookups, the
+        block is published under nothing: never under a prefix it was not
+        computed after.
+
+        Raises:
+            ValueError: no tokens, or a block that is not allocated.
+        """
+        n = len(tokens)
+        if not n:
             raise ValueError("register_block_hash needs at least one token")
         b = self._bid(block)
-        with self._p.lock:
+        at = self._chains.just_appended(b) if n <= self.block_size else None
+        hashes = self._chunk_hashes(tokens) if at is None else None
+        p = self._p
+        with p.lock:
             self._sync()
-            if self._p.b_ref[b] <= 0:
+            if p.b_ref[b] <= 0:
                 raise ValueError(f"block {b} is not allocated; only held blocks can be cached")
-            self._set_block_hash(b, hashes[-1])
+            if at is None:
+                self._set_block_hash(b, hashes[-1])
+                return
+            t, i = at
+            ids = self._refs.table_blocks(self._checked_table(t)) if p.t_state[t] == 1 else []
+            known, parent = self._chains.parent_at(t, i, b, ids, self._index.hash_of)
+            if not known:
+                logger.debug("block %d at position %d of table %d follows blocks of an "
+                             "unknown prefix: not cached", b, i, t)
+                return
+            h = self._hashes(tokens, 1, None, parent)[0]
+            self._set_block_hash(b, h)
+            if n == self.block_size:
+                self._chains.published(t, i, b, h)
 
     def find_shared_prefix(self, tokens: List[int]) -> Tuple[List[int], List[int]]:
         """Block ids of the longest cached whole-chain prefix, and the tokens after it."""
@@ -223,5 +255,6 @@ class PrefixOps(PoolOps):
                 hashes = self._hashes(tokens, len(tokens) // self.block_size, None)
                 found = self._lookup_chain(hashes)
                 self._count_lookup(found, hashes)
+                self._chains.looked_up(found, hashes)
             return found, list(tokens[len(found) * self.block_size:])
 

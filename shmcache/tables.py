@@ -37,6 +37,7 @@ class TableOps(PoolOps):
             t = fused(key[0], key[1], p.slot, self._epoch)
             if t is not None:
                 self._tcache[t] = (key[1], None, {})
+                self._chains.forget(t)
                 return SharedBlockTable(self, t, request_id, key[1])
         with self._p.lock:
             self._sync()
@@ -48,6 +49,7 @@ class TableOps(PoolOps):
                 t = self._new_table(request_id, key)
             else:
                 self._tcache[t] = (key[1], None, {})
+            self._chains.forget(t)
             return SharedBlockTable(self, t, request_id, key[1])
 
     def get_block_table(self, request_id: str) -> Optional[BlockTable]:
@@ -80,11 +82,13 @@ class TableOps(PoolOps):
             t = fused(raw, h, p.slot, self._epoch)
             if t is not None:
                 self._tcache.pop(t, None)
+                self._chains.forget(t)
                 return
         with self._p.lock:
             self._sync()
             t = self._table_index(request_id)
             self._tcache.pop(t, None)
+            self._chains.forget(t)
             drop = getattr(p.native, "table_drop", None)
             # C (_hot.table_drop): the same steps but the index removal,
             # which follows in this hold; None: nothing changed, and the

@@ -59,3 +59,19 @@ def test_bench_scale_repeats_in_rounds_times_the_steps_and_runs_the_control(tmp_
     bad = subprocess.run([sys.executable, "-m", "tools.bench_scale", "--repeat", "0"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--repeat: must be at least 1" in bad.stderr
+
+
+@pytest.mark.timeout(120)
+def test_bench_scale_runs_the_seeds_per_block_mix(tmp_path):
+    """The ``perblock`` mix (the seed's per-block calls: get_computed_blocks,
+    add_block_to_table each) runs and leaves the pool consistent."""
+    out = tmp_path / "scale.json"
+    # (one process, for a whole second: on a loaded machine a worker can
+    # start after a short run's end and count no op)
+    r = subprocess.run([sys.executable, "-m", "tools.bench_scale", "--processes", "1",
+                        "--seconds", "1", "--mix", "perblock", "--json", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=110)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [(x["mix"], x["processes"]) for x in rows] == [("perblock", 1)]
+    assert all(x["ops_per_s"] > 0 and x["violations"] == 0 for x in rows)

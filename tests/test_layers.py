@@ -25,7 +25,7 @@ ROOT = Path(shmcache.__file__).parent
 # Bottom-up. "." is the package itself (shmcache/__init__.py); names are
 # relative to it, "l2" being shmcache/l2/__init__.py.
 LAYERS = [
-    ("leaves", "errors platform_linux loosemap _hot _mlxbuf"),
+    ("leaves", "errors platform_linux loosemap table_chains _hot _mlxbuf"),
     ("platform seam, byte map, BLAS binding",
      "platform layout blas blas_elf blas_find blas_load"),
     ("segment file, pool lock", "segment lock"),

@@ -70,12 +70,12 @@ def test_block_aware_prefix_cache_runs_over_the_shared_pool():
     assert np.array_equal(np.array(rebuilt[0].keys), np.array(k0))
     assert np.array_equal(np.array(rebuilt[0].values), np.array(v0))
     assert rebuilt[0].offset == 10
-    # a second request on the same prompt finds the first block (whole chains
-    # only: the consumer registers each block as the first of its own chain)
+    # a second request on the same prompt finds both full blocks (each was
+    # registered right after its append: keyed by its whole prefix)
     t2, remaining = cache.fetch_cache("r2", tokens + [50, 51, 52])
-    assert t2 is not None and t2.block_ids[:1] == table.block_ids[:1]
-    assert len(remaining) == 13 - 4 * len(t2.block_ids)
-    assert mgr.blocks[table.block_ids[0]].ref_count == 2
+    assert t2 is not None and t2.block_ids == table.block_ids[:2]
+    assert remaining == tokens[8:] + [50, 51, 52]
+    assert [mgr.blocks[b].ref_count for b in table.block_ids] == [2, 2, 1]
     assert mgr.check() == []
     # generation copies every shared block (payload and cache_data with it)
     cache._request_tables["r2"] = cache._request_tables["r1"].__class__(

@@ -18,6 +18,12 @@ Mixes (block size 16):
   on a shared 32-block system prompt plus about 4 blocks of its own (added to
   the table); ``prepare_append`` for the rest, then ``cache_full_blocks``;
   8 x ``prepare_append(t, 1)``; delete the table.
+* ``perblock``: the same request through the seed's per-block calls, as a
+  consumer written against vllm-mlx's ``paged_cache`` makes them: create a
+  table; ``get_computed_blocks`` on the 32-block system prompt plus about 4
+  blocks of its own; ``add_block_to_table`` for each block found;
+  ``prepare_append`` for the rest, then ``cache_full_blocks``;
+  8 x ``prepare_append(t, 1)``; delete the table.
 * ``control``: the serving op's own Python work with no pool at all (the
   request's tokens, and the chain hashes its lookup and its publication
   compute): how far the machine itself lets N processes scale. Not in the
@@ -52,7 +58,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BS = 16
 SYSTEM_BLOCKS = 32
 RESERVE = 64            # the reserved mix's reserve per process
-MIXES = ("batched", "reserved", "serving", "control")
+MIXES = ("batched", "reserved", "serving", "perblock", "control")
 # the serving mix's steps, as --steps times them
 STEPS = ("tokens", "create", "acquire", "prepare", "publish", "append x8", "delete")
 
@@ -132,6 +138,20 @@ def worker(name: str, mix: str, start_at: float, seconds: float, seed: int, out:
                 chain_hashes(root, BS, tokens, len(tokens) // BS)
                 chain_hashes(root, BS, tokens, len(tokens) // BS, None, None, SYSTEM_BLOCKS)
                 ops += 1
+    elif mix == "perblock":
+        while time.time() < end:
+            rid = f"p{pid}.{ops}"
+            tokens = system + [rng.randrange(1 << 20, 1 << 30) for _ in range(4 * BS + rng.randrange(BS))]
+            t = mgr.create_block_table(rid)
+            found, cached = mgr.get_computed_blocks(tokens)
+            for b in found:
+                mgr.add_block_to_table(t, b, BS)
+            mgr.prepare_append(t, len(tokens) - cached)
+            mgr.cache_full_blocks(t.block_ids, tokens, cached // BS, len(tokens) // BS)
+            for _ in range(8):
+                mgr.prepare_append(t, 1)
+            mgr.delete_block_table(rid)
+            ops += 1
     else:
         ops, took = _serving_steps(mgr, rng, system, pid, end)
     holds = held = 0
@@ -257,7 +277,7 @@ def main(argv=None) -> int:
                     help="comma-separated process counts (default 1,2,<CPUs>)")
     ap.add_argument("--seconds", type=float, default=4.0, help="run time per point (default 4)")
     ap.add_argument("--mix", default="batched,reserved,serving",
-                    help="comma-separated mixes: batched, reserved, serving, control (default "
+                    help="comma-separated mixes: batched, reserved, serving, perblock, control (default "
                          "batched,reserved,serving)")
     ap.add_argument("--max-blocks", type=int, default=65536)
     ap.add_argument("--json", metavar="PATH")

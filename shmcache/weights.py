@@ -25,8 +25,10 @@ Invariants:
   are: such a file is first rewritten once, with every tensor at a multiple
   of :data:`ALIGN`, into :func:`aligned_dir` (keyed by the source's path,
   size, mtime and inode, written under a file lock by the first process,
-  reused by the rest), and that copy is mapped. Files that are aligned
-  already (Hugging Face's writer pads its header) are mapped in place.
+  reused by the rest; a copy whose source is gone or changed is removed at
+  the next write), and that copy is mapped. Files that are aligned already
+  (Hugging Face's writer pads its header, ``shmcache.demo_model`` writes
+  aligned) are mapped in place.
 - What this path does not cover (a config that names a ``model_file``,
   legacy ``quantization_config`` formats, activation quantization, a dtype
   that MLX cannot map, ``shmcache._mlxbuf`` not usable or ``SHMCACHE_PURE``
@@ -51,7 +53,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 __all__ = ["load_model_shared", "map_safetensors", "read_safetensors_header",
-           "aligned_file", "aligned_dir", "ALIGN", "MappedWeights"]
+           "aligned_file", "aligned_dir", "write_aligned_copy", "ALIGN", "MappedWeights"]
 
 log = logging.getLogger(__name__)
 
@@ -182,11 +184,41 @@ def _write_aligned(src: str, metadata: dict, tensors: list, dst: Path) -> None:
             tmp.unlink()
 
 
+def _version(st: os.stat_result) -> str:
+    """The key of one state of a source file (its size, mtime, inode) and of ALIGN."""
+    return hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{ALIGN}".encode()).hexdigest()[:16]
+
+
+def _drop_stale(cache_dir: Path) -> None:
+    """Remove the aligned copies whose source file is gone or has changed since.
+    Each copy ``<source>-<version>.safetensors`` has a ``<source>.json`` naming
+    its source path and version. Called under the directory's lock."""
+    for note in cache_dir.glob("*.json"):
+        try:
+            rec = json.loads(note.read_text())
+            st = os.stat(rec["source"])
+            if _version(st) == rec["version"]:
+                continue
+        except (OSError, ValueError, KeyError, TypeError):
+            pass                                # gone, or a note we cannot read
+        for old in cache_dir.glob(f"{note.stem}-*.safetensors"):
+            old.unlink(missing_ok=True)
+        note.unlink(missing_ok=True)
+
+
+def write_aligned_copy(src, dst) -> None:
+    """Write at ``dst`` a safetensors file with ``src``'s tensors and metadata,
+    each tensor at a multiple of ALIGN (replaced atomically)."""
+    metadata, tensors = read_safetensors_header(src)
+    _write_aligned(str(src), metadata, tensors, Path(dst))
+
+
 def aligned_file(path, cache_dir=None) -> Path:
     """``path`` itself where every tensor of it is at a multiple of its item
     size; else its aligned copy under ``cache_dir`` (default :func:`aligned_dir`),
-    written here first if no process has yet. Earlier copies of the same source
-    path (the file since changed) are removed when a new one is written."""
+    written here first if no process has yet (one writer at a time: the
+    directory's ``.lock``). Each write first removes the copies whose source
+    is gone or has changed."""
     path = Path(path)
     metadata, tensors = read_safetensors_header(path)
     if _is_aligned(tensors):
@@ -195,14 +227,14 @@ def aligned_file(path, cache_dir=None) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     st = os.stat(path)
     real = os.path.realpath(path)
-    source = hashlib.sha256(real.encode()).hexdigest()[:16]
-    version = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{ALIGN}".encode()).hexdigest()[:16]
+    source, version = hashlib.sha256(real.encode()).hexdigest()[:16], _version(st)
     dst = cache_dir / f"{source}-{version}.safetensors"
     if dst.exists():
         return dst
-    with open(cache_dir / f"{source}.lock", "w") as lock:
+    with open(cache_dir / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)       # one writer; the others wait, then reuse
         if not dst.exists():
+            _drop_stale(cache_dir)
             free = shutil.disk_usage(cache_dir).free
             if free < st.st_size + (64 << 20):
                 raise OSError(f"{cache_dir}: {free} bytes free, too few for an aligned copy "
@@ -210,9 +242,8 @@ def aligned_file(path, cache_dir=None) -> Path:
             log.info("weights: %s is not aligned for mapping; writing an aligned copy to %s",
                      path, dst)
             _write_aligned(str(path), metadata, tensors, dst)
-            for old in cache_dir.glob(f"{source}-*.safetensors"):
-                if old != dst:
-                    old.unlink(missing_ok=True)
+            (cache_dir / f"{source}.json").write_text(
+                json.dumps({"source": real, "version": version}) + "\n")
     return dst
 
 

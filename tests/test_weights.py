@@ -47,6 +47,20 @@ def weights_dir(tmp_path, monkeypatch):
     return d
 
 
+def make_unaligned(path: Path) -> Path:
+    """Rewrite path/model.safetensors as mx.save_safetensors writes (an unpadded
+    header), with metadata of a length that puts the first tensor at an odd
+    offset; return the file."""
+    f = path / "model.safetensors"
+    arrays = mx.load(str(f))
+    for pad in range(8):
+        mx.save_safetensors(str(f), arrays, metadata={"format": "mlx", "pad": "x" * pad})
+        _, tensors = weights.read_safetensors_header(f)
+        if tensors[0].start % 2:
+            return f
+    raise AssertionError("no metadata length gave an odd offset")
+
+
 def quantized_dir(src: Path, dst: Path) -> Path:
     """src quantized as mlx_lm.convert does (4 bits, group 32), with one layer
     at 8 bits / group 64 (a per-layer entry in the config), saved to dst."""
@@ -107,10 +121,15 @@ def mapped_regions(path) -> list:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_logits_and_tokens_equal_mlx_lm(tmp_path, dtype, weights_dir):
+@pytest.mark.parametrize("dtype, aligned", [("float32", True), ("bfloat16", True),
+                                            ("float32", False), ("float16", False)])
+def test_logits_and_tokens_equal_mlx_lm(tmp_path, dtype, aligned, weights_dir):
     d = build_model_dir(tmp_path / dtype, "qwen2", dtype=dtype, **SMALL)
+    if not aligned:
+        make_unaligned(d)
     model = assert_same_model(d)
+    # an aligned file is mapped in place; an unaligned one through one aligned copy
+    assert (not weights_dir.exists()) == aligned
     # every weight is a view of the file mapping: no private copy
     m = weights.map_safetensors(d / "model.safetensors")
     assert m.private_bytes == 0 and m.shared_bytes > 0
@@ -138,6 +157,7 @@ def test_quantized_with_a_per_layer_override_equals_mlx_lm(tmp_path):
 
 def test_casts_make_new_arrays_and_the_file_is_unchanged(tmp_path, weights_dir):
     d = build_model_dir(tmp_path / "m", "llama", **SMALL)
+    make_unaligned(d)
     before = (d / "model.safetensors").read_bytes()
     m = weights.map_safetensors(d / "model.safetensors")
     w = m.arrays["model.embed_tokens.weight"]
@@ -158,14 +178,24 @@ def test_casts_make_new_arrays_and_the_file_is_unchanged(tmp_path, weights_dir):
     assert ref.keys() == again.keys() and all(mx.array_equal(ref[k], again[k]).item() for k in ref)
 
 
-def test_an_aligned_file_is_mapped_in_place(tmp_path, weights_dir):
+def test_demo_models_are_aligned_and_stale_copies_go(tmp_path, weights_dir):
     d = build_model_dir(tmp_path / "m", "llama", **SMALL)
-    aligned = weights.aligned_file(d / "model.safetensors")
-    shutil.copy(aligned, d / "model.safetensors")           # an aligned file, as HF writes
     assert weights.aligned_file(d / "model.safetensors") == d / "model.safetensors"
-    shutil.rmtree(weights_dir)
-    assert_same_model(d)
     assert not weights_dir.exists()                          # nothing written for it
+    # an unaligned file gets one copy; when the file changes, the next write
+    # (of any copy) removes the old one, and so when the file is gone
+    f = make_unaligned(d)
+    first = weights.aligned_file(f)
+    assert weights.aligned_file(f) == first and first.parent == weights_dir
+    e = build_model_dir(tmp_path / "e", "llama", seed=1, **SMALL)
+    make_unaligned(d)                                         # changed: another version
+    second = weights.aligned_file(f)
+    assert second != first and not first.exists() and second.exists()
+    shutil.rmtree(d)
+    third = weights.aligned_file(make_unaligned(e))
+    assert not second.exists() and third.exists()
+    assert sorted(p.name for p in weights_dir.iterdir()) == sorted(
+        [".lock", third.name, third.name.split("-")[0] + ".json"])
 
 
 @pytest.mark.parametrize("damage, message", [
@@ -204,9 +234,9 @@ def file_pss(pid, path) -> int:
 @pytest.mark.timeout(180)
 def test_three_processes_hold_about_one_copy(tmp_path, weights_dir):
     d = build_model_dir(tmp_path / "medium", "qwen2", **MEDIUM)
+    make_unaligned(d)                       # the three race to write one aligned copy
     size = (d / "model.safetensors").stat().st_size
     assert size > 80e6
-    aligned = weights.aligned_file(d / "model.safetensors")    # written once, here
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     procs = []
     try:
@@ -215,6 +245,9 @@ def test_three_processes_hold_about_one_copy(tmp_path, weights_dir):
                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
         digests = [p.stdout.readline().split() for p in procs]
         assert all(x[0] == "ready" for x in digests) and len({x[1] for x in digests}) == 1
+        copies = list(weights_dir.glob("*.safetensors"))
+        assert len(copies) == 1
+        aligned = copies[0]
         # a process with a private copy: its PSS is the runtime plus one copy
         private = pss(procs[0].pid)
         procs[0].kill()

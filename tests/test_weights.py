@@ -178,6 +178,33 @@ def test_casts_make_new_arrays_and_the_file_is_unchanged(tmp_path, weights_dir):
     assert ref.keys() == again.keys() and all(mx.array_equal(ref[k], again[k]).item() for k in ref)
 
 
+DONATE = """
+import sys
+import mlx.core as mx
+from shmcache import weights
+m = weights.map_safetensors(sys.argv[1])
+for name in list(m.arrays):
+    for op in (mx.exp, lambda a: a.astype(mx.float16), lambda a: a + 1, lambda a: a.reshape(-1)):
+        x = m.arrays.pop(name) if op is mx.exp else weights.map_safetensors(sys.argv[1]).arrays[name]
+        y = op(x)      # x is the only holder: an owned buffer would be donated to y
+        del x
+        mx.eval(y)
+print("ok")
+"""
+
+
+@pytest.mark.timeout(60)
+def test_ops_on_sole_holders_do_not_write_into_the_mapping(tmp_path):
+    # a write into the read-only mapping would kill the process with SIGSEGV
+    d = build_model_dir(tmp_path / "m", "llama", **SMALL)
+    before = (d / "model.safetensors").read_bytes()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, "-c", DONATE, str(d / "model.safetensors")], env=env,
+                       capture_output=True, text=True, timeout=50)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-2000:])
+    assert (d / "model.safetensors").read_bytes() == before
+
+
 def test_demo_models_are_aligned_and_stale_copies_go(tmp_path, weights_dir):
     d = build_model_dir(tmp_path / "m", "llama", **SMALL)
     assert weights.aligned_file(d / "model.safetensors") == d / "model.safetensors"

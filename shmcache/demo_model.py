@@ -190,6 +190,8 @@ def build_model_dir(path, arch: str = "llama", *, seed: int = 0, dtype: str = "f
     import mlx.nn as nn
     from mlx.utils import tree_flatten
 
+    from .weights import write_aligned_copy
+
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     max_len = int(overrides.get("max_position_embeddings", MAX_POSITION_EMBEDDINGS))
@@ -218,7 +220,14 @@ def build_model_dir(path, arch: str = "llama", *, seed: int = 0, dtype: str = "f
     model.set_dtype(getattr(mx, dtype))
     weights = dict(tree_flatten(model.parameters()))
     mx.eval(weights)
-    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    # every tensor at an aligned offset: processes then map the file itself
+    # (shmcache.weights) instead of an aligned copy of it
+    unaligned = path / ".model.unaligned.safetensors"
+    mx.save_safetensors(str(unaligned), weights, metadata={"format": "mlx"})
+    try:
+        write_aligned_copy(unaligned, path / "model.safetensors")
+    finally:
+        unaligned.unlink(missing_ok=True)
     (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     (path / "shmcache_demo.json").write_text(json.dumps(
         {"arch": arch, "seed": seed, "dtype": dtype, "overrides": overrides,

@@ -35,7 +35,7 @@ LAYERS = [
     ("manager mixins, seed containers", "tables prefix kv_ops admin seed_views"),
     ("the manager", "paged_cache"),
     ("the package, mlx-lm caches, L2 tier",
-     ". mlx_lm l2 l2.client l2.codec l2.identity l2.store l2.tier"),
+     ". mlx_lm weights l2 l2.client l2.codec l2.identity l2.store l2.tier"),
     ("the server", "server server.api server.app server.backend server.engine "
      "server.generation server.http_errors server.main server.metrics "
      "server.openai_types server.protocol server.responses server.sample_text "

@@ -1,4 +1,5 @@
-// shmcache._mlxbuf: the KV read's one copy, straight into new MLX arrays.
+// shmcache._mlxbuf: the KV read's one copy, straight into new MLX arrays; and
+// model weights as MLX arrays over a read-only shared mapping of their file.
 //
 // read_layer(arena, ids, layer, dtype) -> (k, v) | None
 //     One layer's K and V of the blocks `ids` from the pool's arena (a
@@ -10,6 +11,18 @@
 //     caller then takes its numpy path, which also says what was wrong.
 //     Raises ValueError for an arena of another shape, a layer out of range
 //     or a dtype whose item size is not the arena's.
+//
+// map_file(path, tensors) -> [(array, shared)]
+//     Arrays over one read-only, shared mapping of the file at `path`
+//     (mmap PROT_READ, MAP_SHARED: its pages are the page cache's, one copy
+//     for every process that maps the file). `tensors` is a list of
+//     (offset, shape, dtype): the array's bytes are the file's
+//     [offset, offset + nbytes). An array whose offset is a multiple of its
+//     item size and at least 8 is a view of the mapping (shared True); any
+//     other is copied into a new MLX buffer (shared False). The mapping is
+//     unmapped when the last array over it is freed. Raises ValueError for a
+//     tensor that does not lie inside the file, OSError where the file cannot
+//     be opened or mapped.
 //
 // MLX_VERSION: the MLX version this module was compiled against.
 //
@@ -29,8 +42,18 @@
 // and stores, streaming stores for large reads): there, the full read was
 // 1.25-2.2x faster with it than with one memcpy per chunk.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
 #include <cstdint>
+#include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -151,10 +174,111 @@ nb::object read_layer(nb::handle arena, nb::handle ids, int layer, mx::Dtype dty
   return nb::make_tuple(window(base, sh, dtype, at[0] / isz), window(base, sh, dtype, at[1] / isz));
 }
 
+// One read-only mapping of a whole file; unmapped when the last array over it goes.
+struct Mapping {
+  void* base = MAP_FAILED;
+  size_t len = 0;
+  ~Mapping() {
+    if (base != MAP_FAILED)
+      munmap(base, len);
+  }
+};
+
+// NOTE: the array over the mapping is built from a non-owned allocator::Data
+// whose deleter only drops the Mapping: MLX never frees it into its
+// allocator, and never donates it to an op's output (array::is_donatable()
+// is false for non-owned data), so no kernel writes into it; the mapping is
+// PROT_READ, so a write through some other path (a writable memoryview of the
+// array) faults instead of changing the file. MLX's CPU allocator puts a
+// size_t (the buffer's size) before the data it hands out and
+// Buffer::raw_ptr() skips it, so the Buffer names the 8 bytes before the
+// tensor: they are file bytes (the header or the tensor before), read only
+// by MLX's heuristics on whether to reuse a buffer (buffer_size()), never
+// written. map_file checks that data() is the tensor's first byte.
+mx::array over(const std::shared_ptr<Mapping>& m, int64_t offset, const mx::Shape& sh,
+               mx::Dtype dtype) {
+  char* at = static_cast<char*>(m->base) + offset;
+  mx::allocator::Buffer buf(at - sizeof(size_t));
+  mx::array a(mx::allocator::Data(buf, [m](mx::allocator::Buffer) {}), sh, dtype);
+  if (a.data<char>() != at)
+    throw std::runtime_error("MLX's CPU buffer layout is not the one this module was built for");
+  return a;
+}
+
+[[noreturn]] void raise_os_error(int err, const std::string& path) {
+  errno = err;
+  PyErr_SetFromErrnoWithFilename(PyExc_OSError, path.c_str());
+  throw nb::python_error();
+}
+
+nb::list map_file(const std::string& path, nb::handle tensors) {
+  struct Spec {
+    int64_t offset;
+    mx::Shape shape;
+    mx::Dtype dtype;
+    int64_t nbytes;
+  };
+  std::vector<Spec> specs;
+  for (nb::handle t : tensors) {
+    nb::tuple tup = nb::cast<nb::tuple>(t);
+    if (tup.size() != 3)
+      throw nb::value_error("each tensor is (offset, shape, dtype)");
+    Spec s{nb::cast<int64_t>(tup[0]), {}, nb::cast<mx::Dtype>(tup[2]), 0};
+    int64_t n = 1;
+    for (nb::handle d : tup[1]) {
+      const int64_t v = nb::cast<int64_t>(d);
+      if (v < 0 || v > INT32_MAX)
+        throw nb::value_error("a dimension is negative or over 2^31");
+      s.shape.push_back(static_cast<int>(v));
+      n *= v;
+    }
+    s.nbytes = n * static_cast<int64_t>(s.dtype.size());
+    if (s.offset < 0)
+      throw nb::value_error("a tensor's offset is negative");
+    specs.push_back(std::move(s));
+  }
+  auto m = std::make_shared<Mapping>();
+  {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+      raise_os_error(errno, path);
+    struct stat st;
+    if (fstat(fd, &st) != 0 || st.st_size <= 0) {
+      const int e = errno;
+      ::close(fd);
+      throw nb::value_error((path + ": empty or unreadable (" + std::strerror(e) + ")").c_str());
+    }
+    m->len = static_cast<size_t>(st.st_size);
+    m->base = mmap(nullptr, m->len, PROT_READ, MAP_SHARED, fd, 0);
+    const int e = errno;
+    ::close(fd);
+    if (m->base == MAP_FAILED)
+      raise_os_error(e, path);
+  }
+  nb::list out;
+  for (const Spec& s : specs) {
+    if (s.offset + s.nbytes > static_cast<int64_t>(m->len))
+      throw nb::value_error(("a tensor at offset " + std::to_string(s.offset) +
+                             " runs past the end of " + path).c_str());
+    const bool shared = s.offset % static_cast<int64_t>(s.dtype.size()) == 0 &&
+                        s.offset >= static_cast<int64_t>(sizeof(size_t)) && s.nbytes > 0;
+    if (shared) {
+      out.append(nb::make_tuple(over(m, s.offset, s.shape, s.dtype), true));
+    } else {
+      mx::array a(mx::allocator::malloc(std::max<int64_t>(s.nbytes, 1)), s.shape, s.dtype);
+      std::memcpy(a.data<char>(), static_cast<char*>(m->base) + s.offset,
+                  static_cast<size_t>(s.nbytes));
+      out.append(nb::make_tuple(a, false));
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 NB_MODULE(_mlxbuf, m) {
   m.def("read_layer", &read_layer, nb::arg("arena"), nb::arg("ids").none(), nb::arg("layer"),
         nb::arg("dtype"));
+  m.def("map_file", &map_file, nb::arg("path"), nb::arg("tensors"));
   m.attr("MLX_VERSION") = STR(SHMCACHE_MLX_VERSION);
 }

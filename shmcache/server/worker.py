@@ -53,12 +53,11 @@ def main(argv=None) -> int:
     os.dup2(2, 1)                   # anything printed goes to stderr
     writer = wire.Writer(out)
 
-    from mlx_lm import load
-
     from ..mlx_lm import check_pool_matches, pool_layout
+    from ..weights import load_model_shared
     from .engine import Engine
 
-    model, tokenizer = load(args.model)
+    model, tokenizer = load_model_shared(args.model)   # one copy of the weights for all workers
     l2 = {}
     if args.l2:
         # the cluster secret comes in the environment (a command line is

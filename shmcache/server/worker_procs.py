@@ -147,7 +147,8 @@ class WorkerLifecycle:
         w.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "shmcache.server.worker", "--pool", self.pool_name,
             "--model", str(self.path), "--id", str(w.idx), "--max-batch", str(self.max_batch),
-            "--prefill-step", str(self.prefill_step), *extra, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
+            "--prefill-step", str(self.prefill_step), *extra,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
             start_new_session=True)          # Ctrl-C reaches the server, which stops them
         w.reader = asyncio.create_task(self._read(w, w.proc))
 

@@ -203,10 +203,19 @@ def create_app(backend: Backend, *, served_model_name: Optional[str] = None,
 
     @asynccontextmanager
     async def lifespan(app):
+        cancelled = False
         if manage_backend:
-            await life.start()
+            try:
+                await life.start()
+            except Exception as e:
+                # a stop asked for during startup: the server starts and stops
+                # at once (uvicorn has its exit flag set), without a traceback
+                if not getattr(e, "startup_cancelled", False):
+                    raise
+                cancelled = True
+                log.info("stopped while starting: %s", e)
         try:
-            if on_ready is not None:
+            if on_ready is not None and not cancelled:
                 on_ready()
             yield
         finally:

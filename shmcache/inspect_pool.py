@@ -35,11 +35,16 @@ STAT_KEYS = ("allocated_blocks", "free_blocks", "shared_blocks", "cached_blocks"
 
 
 def process_alive(pid: int, start_time: float) -> bool:
-    """Whether process ``pid`` exists and started at ``start_time`` (not a reused pid)."""
+    """Whether process ``pid`` exists and started at ``start_time`` (not a reused
+    pid). A zombie (exited, not yet reaped by its parent) is dead: it runs no
+    code and holds no file, lock or mapping."""
     if pid <= 0:
         return False
     try:
-        ct = psutil.Process(pid).create_time()
+        proc = psutil.Process(pid)
+        ct = proc.create_time()
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
     except psutil.NoSuchProcess:
         return False
     except psutil.AccessDenied:

@@ -182,15 +182,12 @@ class WorkerLifecycle:
         for w in self.workers:
             await self._spawn(w)
         log.info("loading the model in %d workers...", self.n_workers)
-        ready = asyncio.gather(*(w.ready.wait() for w in self.workers))
-        while not ready.done():
-            await asyncio.wait([ready], timeout=0.1)
+        while not all(w.ready.is_set() for w in self.workers):
+            await asyncio.sleep(0.05)
             if self.startup_cancelled():
-                ready.cancel()
                 raise StartupCancelled("stopped while the workers were loading the model")
             dead = [w for w in self.workers if w.proc.returncode is not None]
             if dead:
-                ready.cancel()
                 raise RuntimeError(f"worker {dead[0].idx} exited with {dead[0].proc.returncode} "
                                    f"while loading the model (its error is above)")
         self._started = True

@@ -116,8 +116,10 @@ def render(d: dict) -> str:
         f"          slots {lay['max_slots']}, tables {lay['max_tables']}, refs {lay['max_refs']}, "
         f"metadata {human_bytes(lay['arena_off'])}, kv arena {human_bytes(lay['arena_size'])}",
         f"usage     {usage_bar(d['usage'])}",
-        f"blocks    allocated {d['allocated_blocks']}, free {d['free_blocks']}, "
-        f"shared {d['shared_blocks']}, cached {d['cached_blocks']}, "
+        f"blocks    used {d['blocks_used']}, cached {d['blocks_cached']}, free "
+        f"{d['blocks_free']} (holding nothing; as /metrics counts them)",
+        f"          allocated {d['allocated_blocks']}, on the free list {d['free_blocks']}, "
+        f"shared {d['shared_blocks']}, "
         f"tokens held {d['tokens_held']} (seed's count {d['total_tokens_cached']})",
         f"capacity  references {d['refs_held']}/{d['max_refs']} "
         f"({_pct(d['refs_held'], d['max_refs'])}), block tables "

@@ -164,9 +164,28 @@ def test_a_sigstopped_worker_is_routed_around_then_restarted(model_dir, referenc
                 time.sleep(0.2)
             assert not w0.is_running() or w0.status() == psutil.STATUS_ZOMBIE
             assert "silent for" in srv.log()
+            _inspect_agrees_with_metrics(srv)
         finally:
             with contextlib.suppress(psutil.Error):
                 w0.resume()
+
+
+def _inspect_agrees_with_metrics(srv):
+    """``shmcache inspect`` and /metrics count free blocks and the pool's hit
+    rate by one definition (``inspect_pool.block_usage``, ``prefix_hit_rate``)."""
+    for _ in range(2):                 # the second finds the first's prompt blocks
+        srv.client().completions.create(model=MODEL_NAME, prompt="z" * 40, max_tokens=1)
+    g = srv.wait_idle()
+    name = os.path.basename(srv.pool_path)[len("shmcache."):]
+    r = subprocess.run([sys.executable, "-m", "shmcache.cli", "inspect", name, "--json"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    m = srv.metrics()
+    for k in ("total", "used", "cached", "free"):
+        assert d[f"blocks_{k}"] == g[k], (k, d[f"blocks_{k}"], g[k])
+    assert d["prefix_hit_rate"] == pytest.approx(m["shmcache_pool_prefix_hit_rate"])
+    assert 0 < d["prefix_hit_rate"] <= 1
 
 
 # ------------------------------------------------------- a poison request

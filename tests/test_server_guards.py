@@ -148,3 +148,46 @@ def test_a_large_prompt_does_not_stall_health(tokenizer):
         assert "context length" in e["message"]
         print(f"large prompt answered in {out['s']:.2f} s; worst /health {worst * 1000:.0f} ms")
         assert worst < max(1.0, out["s"] / 3), (worst, out["s"])
+
+
+# ------------------------------------------------------------ SSE keep-alive
+def _sse_lines(url, body):
+    with httpx.stream("POST", url + C, json=body, timeout=30) as r:
+        assert r.status_code == 200
+        return [ln for ln in r.iter_lines() if ln]
+
+
+def test_a_stream_waiting_for_its_first_token_gets_keepalive_comments(tokenizer, monkeypatch):
+    from shmcache.server import responses
+    monkeypatch.setattr(responses, "KEEPALIVE_S", 0.1)
+    with _serve(tokenizer) as s:
+        s.backend.start_delay = 0.5
+        lines = _sse_lines(s.url, {"prompt": "hi", "max_tokens": 5, "stream": True})
+        first_data = next(i for i, ln in enumerate(lines) if ln.startswith("data:"))
+        assert first_data >= 2 and all(ln == ": keep-alive" for ln in lines[:first_data])
+        assert lines[-1] == "data: [DONE]"
+        # an error once admission fails: an error event, after the comments
+        from shmcache.server.protocol import Error
+        s.backend.error_first = Error("no worker can take it", 503)
+        lines = _sse_lines(s.url, {"prompt": "hi", "max_tokens": 5, "stream": True})
+        assert lines[0] == ": keep-alive" and "no worker can take it" in lines[-2]
+        # no delay: no comment
+        s.backend.start_delay, s.backend.error_first = 0.0, None
+        lines = _sse_lines(s.url, {"prompt": "hi", "max_tokens": 5, "stream": True})
+        assert lines[0].startswith("data:")
+
+
+def test_a_client_leaving_during_the_keepalives_cancels_the_request(tokenizer, monkeypatch):
+    from shmcache.server import responses
+    monkeypatch.setattr(responses, "KEEPALIVE_S", 0.1)
+    with _serve(tokenizer) as s:
+        s.backend.start_delay = 30
+        with httpx.stream("POST", s.url + C, json={"prompt": "hi", "stream": True},
+                          timeout=30) as r:
+            for ln in r.iter_lines():
+                if ln == ": keep-alive":
+                    break
+        deadline = time.monotonic() + 10
+        while s.backend.calls[0]["closed"] is None:
+            assert time.monotonic() < deadline, "the request was not cancelled"
+            time.sleep(0.05)

@@ -111,10 +111,15 @@ def test_ctrl_c_while_the_workers_load_stops_at_once(model_dir):
 
 # ------------------------------------------------------- SIGTERM mid-stream
 @pytest.mark.timeout(180)
-def test_sigterm_during_a_stream_gives_the_client_a_503_event(model_dir):
-    srv = Server(model_dir, "--workers", "1").wait_ready()
-    events, log_ok = [], False
+def test_sigterm_during_a_stream_gives_the_client_a_503_event_and_chat_template(model_dir):
+    template = "{% for m in messages %}[{{ m.content }}]{% endfor %}"
+    srv = Server(model_dir, "--workers", "1", "--chat-template", template).wait_ready()
+    events = []
     try:
+        # --chat-template: the prompt is "[hi]", 4 tokens of the byte-level tokenizer
+        r = srv.client().chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert r.usage.prompt_tokens == 4
         body = {"model": MODEL_NAME, "prompt": "x" * 20, "max_tokens": 100000,
                 "temperature": 0, "stream": True}
         with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:

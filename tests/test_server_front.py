@@ -136,7 +136,7 @@ def test_sigterm_during_a_stream_gives_the_client_a_503_event_and_chat_template(
     assert rc == 0 and not problems, (problems, srv.log())
     assert events[-1] == "[DONE]", events[-3:]
     err = json.loads(events[-2])["error"]
-    assert "shutting down" in err["message"] and err["code"] == "server_shutting_down"
+    assert "shutting down" in err["message"] and err["type"] == "server_error"
     log = srv.log()
     assert "CancelledError" not in log and "Traceback" not in log, log
 
@@ -346,3 +346,16 @@ def test_a_small_dev_shm_sizes_the_default_pool_and_doctor_warns(model_dir):
                        capture_output=True, text=True, timeout=120, cwd=REPO)
     line = _one_line_error(r, "--max-blocks", "--shm-size")
     assert "smallest pool" in line
+
+
+def test_choose_pool_blocks():
+    """The default pool: 1 GiB of K/V when /dev/shm has room, else half its
+    free space, metadata included; too little for 64 blocks: a how-to-fix."""
+    from shmcache.server.worker_procs import MIN_POOL_BLOCKS, PoolDoesNotFit, choose_pool_blocks
+    per = 64 << 10
+    n, why = choose_pool_blocks(per, 100 << 30)
+    assert n == (1 << 30) // per and "default" in why
+    n, why = choose_pool_blocks(per, 64 << 20, overhead=lambda b: 100 * b)
+    assert n * (per + 100) <= 32 << 20 < (n + 1) * (per + 100) * 1.06 and "64 MiB free" in why
+    with pytest.raises(PoolDoesNotFit, match="--shm-size=1g.*--max-blocks"):
+        choose_pool_blocks(per, MIN_POOL_BLOCKS * per)

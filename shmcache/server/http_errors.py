@@ -43,7 +43,7 @@ DEFAULT_MAX_BODY_BYTES = 8 << 20     # a request body's limit (``--max-body-byte
 
 # the ``code`` OpenAI's clients see for these statuses
 CODES = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
-         413: "request_too_large", 503: "server_shutting_down"}
+         413: "request_too_large"}
 
 
 def error_body(status: int, message: str, param: Optional[str] = None) -> dict:

@@ -85,12 +85,15 @@ def reclaim_dead_pools(pattern: str = POOL_PREFIX + "*") -> list:
     A pool of another user is never touched (it cannot be opened)."""
     from .. import segment
     from ..errors import ShmCacheError
-    from ..inspect_pool import cleanup
+    from ..inspect_pool import PoolView, cleanup
     out = []
     for name in segment.list_names():
         if not fnmatch.fnmatchcase(name, pattern):
             continue
         try:
+            with PoolView(name, require_ready=False) as v:
+                if v.owner_alive():          # (a live server's: not even its lock is taken)
+                    continue
             removed, why = cleanup(name)
         except (ShmCacheError, OSError):
             continue

@@ -120,6 +120,24 @@ def test_sigterm_during_a_stream_gives_the_client_a_503_event_and_chat_template(
         r = srv.client().chat.completions.create(
             model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
         assert r.usage.prompt_tokens == 4
+        # issue 29's bodies, on the real server: each refused with the right status, and a
+        # 10 MB body does not hold up /health
+        big = {"prompt": "a" * (10 << 20), "max_tokens": 1}
+        t = time.monotonic()
+        with httpx.Client(base_url=srv.url, timeout=60) as h:
+            assert h.post("/v1/completions", json=big).status_code == 413
+            assert time.monotonic() - t < 10
+            hdr = {"content-type": "application/json"}
+            r = h.post("/v1/completions", headers=hdr,
+                       content=b'{"prompt": "\\ud800", "max_tokens": 1}')
+            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+            r = h.post("/v1/completions", json={"prompt": "a", "max_tokens": 1,
+                                                "top_k": 10 ** 9})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "top_k", r.text
+            r = h.post("/v1/completions", json={"prompt": [1] * 100_000, "max_tokens": 1})
+            assert r.status_code == 400 and "context length" in r.text, r.text
+            assert h.get("/v1/nope").json()["error"]["type"] == "invalid_request_error"
+            assert h.put("/v1/completions").status_code == 405
         body = {"model": MODEL_NAME, "prompt": "x" * 20, "max_tokens": 100000,
                 "temperature": 0, "stream": True}
         with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:

@@ -13,7 +13,6 @@ hard timeout and is killed in a ``finally``. The namespace tests need
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import os
 import re
@@ -23,7 +22,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import psutil
@@ -86,7 +84,6 @@ def test_model_errors_are_one_line_and_exit_2(model_dir, tmp_path):
     line = _one_line_error(_serve_once("--model", model_dir, "--max-blocks",
                                        max(2, free // 256)), "--max-blocks")
     assert "shm-size" in line
-    assert not glob.glob("/dev/shm/shmcache.serve-*") or True   # (others' servers may run)
 
 
 # ------------------------------------------------------------ Ctrl-C at startup

@@ -374,3 +374,38 @@ def test_choose_pool_blocks():
     assert n * (per + 100) <= 32 << 20 < (n + 1) * (per + 100) * 1.06 and "64 MiB free" in why
     with pytest.raises(PoolDoesNotFit, match="--shm-size=1g.*--max-blocks"):
         choose_pool_blocks(per, MIN_POOL_BLOCKS * per)
+
+
+@pytest.mark.timeout(180)
+def test_a_stream_without_a_first_token_gets_keepalives_and_a_progress_log(model_dir,
+                                                                          reference):
+    """The only worker is stopped (as a very long prefill looks from outside):
+    the stream sends SSE comments, the log says how long the request has
+    waited, and once the worker goes on the answer is mlx-lm's."""
+    with serving(model_dir, "--workers", "1", "--worker-timeout", "60") as srv:
+        w = srv.worker_procs()[0]
+        prompt = "q" * 30
+        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 6, "temperature": 0,
+                "stream": True}
+        comments, texts = 0, []
+        w.suspend()
+        try:
+            with httpx.stream("POST", f"{srv.url}/v1/completions", json=body,
+                              timeout=60) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line == ": keep-alive":
+                        comments += 1
+                        if comments == 3:         # about 6 s: the progress line is due
+                            t = time.monotonic()
+                            while "no first token after 5 s" not in srv.log():
+                                assert time.monotonic() - t < 10, srv.log()
+                                time.sleep(0.1)
+                            w.resume()
+                    elif line.startswith("data: {"):
+                        texts.append(json.loads(line[6:])["choices"][0]["text"])
+        finally:
+            with contextlib.suppress(psutil.Error):
+                w.resume()
+        assert comments >= 3
+        assert "".join(texts) == reference.greedy(list(prompt.encode()), 6).text

@@ -118,8 +118,10 @@ def render(d: dict) -> str:
         f"          slots {lay['max_slots']}, tables {lay['max_tables']}, refs {lay['max_refs']}, "
         f"metadata {human_bytes(lay['arena_off'])}, kv arena {human_bytes(lay['arena_size'])}",
         f"usage     {usage_bar(d['usage'])}",
-        f"blocks    allocated {d['allocated_blocks']}, free {d['free_blocks']}, "
-        f"shared {d['shared_blocks']}, cached {d['cached_blocks']}, "
+        f"blocks    used {d['blocks_used']}, cached {d['blocks_cached']}, free "
+        f"{d['blocks_free']} (holding nothing; as /metrics counts them)",
+        f"          allocated {d['allocated_blocks']}, on the free list {d['free_blocks']}, "
+        f"shared {d['shared_blocks']}, "
         f"tokens held {d['tokens_held']} (seed's count {d['total_tokens_cached']})",
         f"capacity  references {d['refs_held']}/{d['max_refs']} "
         f"({_pct(d['refs_held'], d['max_refs'])}), block tables "
@@ -308,7 +310,7 @@ def cmd_cleanup(args) -> int:
 # ----------------------------------------------------------------- doctor
 def cmd_doctor(args) -> int:
     from .doctor import run
-    return run(as_json=args.json)
+    return run(as_json=args.json, measure=not args.no_measure)
 
 
 # ------------------------------------------------------------------ serve
@@ -345,21 +347,38 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit codes: 0 ok, 1 violations (fsck) or a kept pool (cleanup NAME), 2 error.")
     ap.add_argument("--version", action="version", version=f"shmcache {version()}")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
-    sub.add_parser("list", help="every pool: owner, alive, size, usage")
-    p = sub.add_parser("inspect", help="one pool's statistics, layout and holders")
+
+    def add(name: str, help: str, description: str = ""):
+        # the one-line help in `shmcache --help`, and a description in `shmcache NAME --help`
+        return sub.add_parser(name, help=help, description=description or help[0].upper()
+                              + help[1:] + ".")
+    add("list", "every pool: owner, alive, size, usage",
+        "List every shmcache pool in /dev/shm: its owner's pid and whether it is alive, the "
+        "processes attached, its blocks, size and usage.")
+    p = add("inspect", "one pool's statistics, layout and holders",
+            "One pool's statistics (blocks free, used and cached, the prefix-cache hit rate), "
+            "its layout, and what each attached process holds. Read-only.")
     p.add_argument("name")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p = sub.add_parser("top", help="inspect, refreshed in place until Ctrl-C")
+    p = add("top", "inspect, refreshed in place until Ctrl-C")
     p.add_argument("name")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
-    p = sub.add_parser("fsck", help="check the pool's invariants")
+    p = add("fsck", "check the pool's invariants",
+            "Check the pool's invariants (exit 1 if one is violated); --repair rebuilds "
+            "derived state and releases what dead processes held.")
     p.add_argument("name")
     p.add_argument("--repair", action="store_true",
                    help="rebuild derived state and release dead holders' references")
-    p = sub.add_parser("cleanup", help="remove pools whose owner is dead and nobody attached")
+    p = add("cleanup", "remove pools whose owner is dead and nobody attached",
+            "Remove the pools whose owner (pid and start time; a zombie counts as dead) is "
+            "dead and that no live process is attached to. A live pool is never removed.")
     p.add_argument("name", nargs="?", help="a pool name or shell pattern (default: all)")
-    p = sub.add_parser("doctor", help="BLAS in use, matmul GFLOP/s, versions, /dev/shm, CPUs")
+    p = add("doctor", "BLAS in use, matmul GFLOP/s, versions, /dev/shm, CPUs",
+            "What this machine gives a shmcache worker: the BLAS MLX uses and a measured "
+            "matmul, versions, /dev/shm's size and free space (with a warning when it is "
+            "small), the CPUs.")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--no-measure", action="store_true", help="skip the matmul measurement")
     p = sub.add_parser("convert", help="a llama/qwen2 GGUF file as an mlx-lm model directory",
                        description="Convert a llama or qwen2 GGUF file (F32, F16, Q4_0, Q4_1, "
                        "Q8_0 tensors, byte-level BPE tokenizer) into an mlx-lm model directory. "

@@ -58,7 +58,24 @@ def collect(measure: bool = True, n: int = MATMUL_N) -> dict:
         d["cpus_usable"] = d["cpu_count"]
     d["python"] = platform.python_version()
     d["platform"] = f"{platform.system()} {platform.machine()}"
+    d["warnings"] = warnings(d)
     return d
+
+
+SMALL_SHM_BYTES = 256 << 20      # below this, /dev/shm is called small (Docker's default: 64 MiB)
+
+
+def warnings(d: dict) -> list:
+    """What the report shows that will hurt ``shmcache serve``, one sentence each."""
+    out = []
+    size = d["shm"].get("size_bytes")
+    if size is not None and size < SMALL_SHM_BYTES:
+        out.append(f"/dev/shm is small ({size / 2**20:.0f} MiB; Docker's default is 64 MiB): "
+                   f"the default pool shrinks to half its free space; give it more room "
+                   f"(docker run --shm-size=1g) or set the pool size with --max-blocks")
+    elif size is None:
+        out.append(f"/dev/shm cannot be read: {d['shm'].get('error')}")
+    return out
 
 
 def _gib(n) -> str:
@@ -78,8 +95,10 @@ def render(d: dict) -> str:
     if d["matmul_gflops"] is not None:
         n = d["matmul_size"]
         lines.append(f"matmul    {d['matmul_gflops']:.1f} GFLOP/s ({n}x{n}x{n} float32, MLX CPU)")
-    else:
+    elif d.get("matmul_error"):
         lines.append(f"matmul    failed: {d.get('matmul_error')}")
+    else:
+        lines.append("matmul    not measured")
     lines += [
         f"mlx       {d['mlx_version'] or 'not installed'}, "
         f"mlx-lm {d['mlx_lm_version'] or 'not installed'}",
@@ -89,6 +108,7 @@ def render(d: dict) -> str:
         f"python    {d['python']} on {d['platform']}",
     ]
     disabled = "SHMCACHE_BLAS" in (b["detail"] or "")
+    lines += [f"warning   {w}" for w in d.get("warnings", ())]
     if sys.platform.startswith("linux") and not b["optimized"] and not disabled:
         lines.append("hint      MLX uses the reference BLAS (slow matmuls): install an optimized "
                      "one (Debian: apt-get install libopenblas0-pthread) and import shmcache "
@@ -96,7 +116,7 @@ def render(d: dict) -> str:
     return "\n".join(lines)
 
 
-def run(as_json: bool = False) -> int:
-    d = collect()
+def run(as_json: bool = False, measure: bool = True) -> int:
+    d = collect(measure=measure)
     print(json.dumps(d, indent=2) if as_json else render(d))
     return 0

@@ -36,20 +36,48 @@ STAT_KEYS = ("allocated_blocks", "free_blocks", "shared_blocks", "cached_blocks"
 
 
 def process_alive(pid: int, start_time: float) -> bool:
-    """Whether process ``pid`` exists, started at ``start_time`` (not a reused
-    pid) and has not exited (a zombie, not yet reaped, is dead)."""
+    """Whether process ``pid`` exists and started at ``start_time`` (not a reused
+    pid). A zombie (exited, not yet reaped by its parent) is dead: it runs no
+    code and holds no file, lock or mapping."""
     if pid <= 0:
         return False
     try:
         proc = psutil.Process(pid)
         ct = proc.create_time()
         if proc.status() == psutil.STATUS_ZOMBIE:
-            return False    # exited, not yet reaped by its parent: holds nothing
+            return False
     except psutil.NoSuchProcess:
         return False
     except psutil.AccessDenied:
         return True  # exists, owned by someone else: assume it is the one
     return start_time <= 0 or abs(ct - start_time) < 0.05
+
+
+def block_usage(ref_count, flags) -> dict:
+    """The one definition of a pool's block figures, for ``shmcache inspect``
+    and ``/metrics`` (``shmcache_pool_blocks_*``), from the blocks' reference
+    counts and flags (arrays over the blocks):
+
+    * block 0, the null block (always referenced, never cached), is left out;
+    * ``blocks_used``: referenced by some table or process;
+    * ``blocks_cached``: holding published prefix data (referenced or not: an
+      unreferenced cached block sits on the free list, evicted when taken);
+    * ``blocks_free``: neither: holding nothing at all;
+    * ``blocks_total``: the pool's blocks but the null block.
+
+    Unused + cached = total when nothing is in use."""
+    ref = ref_count[1:] > 0
+    cached = (flags[1:] & L.FLAG_CACHED) != 0
+    return {"blocks_total": int(ref.size), "blocks_used": int(ref.sum()),
+            "blocks_cached": int(cached.sum()), "blocks_free": int((~ref & ~cached).sum())}
+
+
+def prefix_hit_rate(hits: int, misses: int) -> float:
+    """The one definition of the pool's prefix hit rate, for ``shmcache
+    inspect`` and ``/metrics`` (``shmcache_pool_prefix_hit_rate``): the
+    prompt blocks found in the cache over the prompt blocks looked up, since
+    the pool was made (the pool's own counters; 0 before any lookup)."""
+    return hits / (hits + misses) if hits + misses else 0.0
 
 
 def _loose_and_reserved(slots, s: int) -> dict:
@@ -194,10 +222,11 @@ class PoolView:
         s = recovery.scan_stats(self)
         c = self.c
         hits, misses = int(c[L.C_HITS]), int(c[L.C_MISSES])
-        s.update(cache_hits=hits, cache_misses=misses,
-                 prefix_hit_rate=hits / (hits + misses) if hits + misses else 0.0,
+        s.update(cache_hits=hits, cache_misses=misses, prefix_hit_rate=prefix_hit_rate(hits, misses),
                  cow_copies=int(c[L.C_COW]), evictions=int(c[L.C_EVICTIONS]))
         s["usage"] = s["allocated_blocks"] / s["total_blocks"]
+        n = self.layout.max_blocks
+        s.update(block_usage(self.blocks["ref_count"][:n], self.blocks["flags"][:n]))
         return s
 
     def l2_counters(self) -> dict:

@@ -128,6 +128,7 @@ class FakeBackend:
         self.capacity = 10_000
         self.seen = []                       # (salt, prompt) of earlier requests
         self.workers_alive = 2
+        self.start_delay = 0.0               # seconds before Started (a long prefill)
 
     # ----------------------------------------------------------- Backend
     def admission_error(self, prompt_tokens, max_tokens, n):
@@ -162,6 +163,8 @@ class FakeBackend:
         rec = {"prompt": list(prompt), "params": params, "finished": False, "closed": None}
         self.calls.append(rec)
         try:
+            if self.start_delay:
+                await asyncio.sleep(self.start_delay)
             if self.error_first is not None:
                 yield self.error_first
                 return

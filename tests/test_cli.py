@@ -161,3 +161,12 @@ def test_inspect_shows_the_pool_wide_l2_counters_only_when_used(make_pool):
     assert "lookups 2" in line and "blocks hit 7" in line and "missed 2" in line
     assert "hit rate 77.8%" in line and "read 3.0 MiB" in line and "rejected 1" in line
     assert "blocks written 9" in out and "outages 1" in out
+
+
+def test_every_subcommand_help_says_what_it_does():
+    """``shmcache NAME --help`` opens with a sentence on what NAME does."""
+    from shmcache.cli import build_parser
+    ap = build_parser()
+    sub = next(a for a in ap._actions if a.dest == "cmd")
+    for name, p in sub.choices.items():
+        assert p.description and len(p.description) > 20, name

@@ -77,3 +77,26 @@ def test_cleanup_pattern_removes_only_dead(make_pool, holders, junk_name):
         assert "nothing removed" in r.stdout
     finally:
         segment.unlink(f"{tag}-junk")
+
+
+def test_cleanup_treats_a_zombie_owner_as_dead(holders):
+    """The owner was killed but its parent (this test) has not reaped it:
+    a zombie runs nothing and holds nothing, so the pool is removed."""
+    import psutil
+    name = new_name("cl")
+    h = holders(name, n=2)
+    os.kill(h.p.pid, signal.SIGKILL)
+    for _ in range(100):
+        if psutil.Process(h.p.pid).status() == psutil.STATUS_ZOMBIE:
+            break
+        import time
+        time.sleep(0.05)
+    assert psutil.Process(h.p.pid).status() == psutil.STATUS_ZOMBIE
+    try:
+        r = run("cleanup", name)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert f"removed {segment.path_for(name)}" in r.stdout
+        assert not os.path.exists(segment.path_for(name))
+    finally:
+        h.kill()                                   # reaps it
+        segment.unlink(name)

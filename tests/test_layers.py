@@ -30,7 +30,8 @@ LAYERS = [
      "platform layout blas blas_elf blas_find blas_load"),
     ("segment file, pool lock", "segment lock"),
     ("shared structures", "blocks freelist index chunks refs claims slots"),
-    ("one mapped pool, recovery, reclaim, reserves", "pool recovery reclaim reserve"),
+    ("one mapped pool, recovery, reclaim, reserves, the read-only view",
+     "pool recovery reclaim reserve inspect_pool"),
     ("manager primitives, K/V arena, live views", "core fastpath kv views"),
     ("manager mixins, seed containers", "tables prefix kv_ops admin seed_views"),
     ("the manager", "paged_cache"),
@@ -42,7 +43,7 @@ LAYERS = [
      "server.sampling server.tool_calls "
      "server.validation server.wire server.worker server.worker_procs demo_model gguf "
      "model_source"),
-    ("the command", "cli inspect_pool doctor"),
+    ("the command", "cli doctor"),
 ]
 
 # Compiled modules (shmcache/_native/): they import nothing from shmcache.

@@ -102,7 +102,10 @@ def test_serve_runs_and_stops_on_signal(tmp_path, tokenizer_dir, sig):
                                "--block-size", "8", "--max-blocks", "64")
     try:
         url, lines = read_url(proc)
-        assert len(lines) == 1, lines                  # one startup line, with the URL
+        # one startup line, with the URL (and a warning when 3 workers are more than the CPUs)
+        many = 3 > (os.cpu_count() or 1)
+        assert len(lines) == 1 + many, lines
+        assert not many or "more than the" in lines[0]
         assert marker.read_text().splitlines() == [
             "built workers=3 max_blocks=64 block_size=8", "started"]
         with httpx.Client(base_url=url, timeout=30) as h:
@@ -216,3 +219,36 @@ def test_signal_stops_the_server_cleanly(model_dir, reference, signals):
                     or "shutting down" in str(result.get("error"))), result
     finally:
         srv.stop(signal.SIGKILL)
+
+
+def test_url_at_every_log_level_workers_warning_and_request_log_lines(tmp_path, tokenizer_dir):
+    """--log-level warning still prints the URL; --workers above the CPUs
+    warns; at info, every request is one log line (a 400 with its reason)."""
+    import signal
+    many = (os.cpu_count() or 1) + 1
+    proc, _ = start_serve(tmp_path, tokenizer_dir, "--port", "0", "--log-level", "warning",
+                          "--workers", str(many))
+    try:
+        url, lines = read_url(proc)
+        assert any(f"--workers {many} is more than the" in ln for ln in lines), lines
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+    proc, _ = start_serve(tmp_path, tokenizer_dir, "--port", "0", "--workers", "1")
+    try:
+        url, _ = read_url(proc)
+        with httpx.Client(base_url=url, timeout=30) as h:
+            assert h.post(C, json={"prompt": "x", "max_tokens": 2}).status_code == 200
+            assert h.post(C, json={"prompt": "x", "max_tokens": -1}).status_code == 400
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+        log = proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
+    ok = [ln for ln in log.splitlines() if "request /v1/completions 200" in ln]
+    assert len(ok) == 1 and "tokens in 1 (cached 0) out 2" in ok[0] and "ttft" in ok[0], log
+    bad = [ln for ln in log.splitlines() if "request /v1/completions 400" in ln]
+    assert len(bad) == 1 and "reason: " in bad[0] and "max_tokens" in bad[0], log

@@ -35,7 +35,9 @@ def _descendants(pid: int) -> list:
         return []
 
 
-def run_supervisor(tmp_path, *extra, timeout=240):
+def run_supervisor(tmp_path, *extra, timeout=240, seen_out=None):
+    """Runs the supervisor; ``seen_out`` (a dict), if given, gets every
+    descendant process seen while it ran (pid -> psutil.Process)."""
     out = tmp_path / f"report-{len(list(tmp_path.iterdir()))}.json"
     proc = subprocess.Popen([sys.executable, "-m", "workers.supervisor", *SMALL, *extra,
                              "--json", str(out)], cwd=ROOT, stdout=subprocess.PIPE,
@@ -45,7 +47,12 @@ def run_supervisor(tmp_path, *extra, timeout=240):
         deadline = time.monotonic() + timeout
         while proc.poll() is None and time.monotonic() < deadline:
             for p in _descendants(proc.pid):     # the server and its workers, to check they end
-                seen.setdefault(p.pid, p)
+                if p.pid not in seen:
+                    seen[p.pid] = p
+                    try:
+                        p.name()                 # (cached: known after the process is gone)
+                    except psutil.Error:
+                        pass
             time.sleep(0.2)
         stdout, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
     finally:
@@ -55,12 +62,21 @@ def run_supervisor(tmp_path, *extra, timeout=240):
         _, alive = psutil.wait_procs(list(seen.values()), timeout=10)
         for p in alive:
             p.kill()
+        if seen_out is not None:
+            seen_out.update(seen)
     assert not alive, f"processes left running: {alive}"
     assert proc.returncode == 0, stdout + stderr
     r = json.loads(out.read_text())
     left = segment.path_for(r["pool"])
     assert not os.path.exists(left), f"the server left its pool {left}"
     return r, stdout
+
+
+def _name(p: psutil.Process) -> str:
+    try:
+        return p.name()
+    except psutil.Error:             # gone: its name was cached when it was seen
+        return getattr(p, "_name", "") or ""
 
 
 def _assert_clean(r, requests):
@@ -138,8 +154,8 @@ def test_with_l2_the_report_has_the_pools_l2_counters(baseline, tmp_path):
     from tools.redis_server import find_redis_server
     if find_redis_server() is None:
         pytest.skip("redis-server not found (apt-get install redis-server)")
-    before = {p.pid for p in psutil.process_iter() if p.name() == "redis-server"}
-    r, stdout = run_supervisor(tmp_path, *WORKLOAD, "--l2", "local")
+    seen = {}
+    r, stdout = run_supervisor(tmp_path, *WORKLOAD, "--l2", "local", seen_out=seen)
     _assert_clean(r, 12)
     assert outputs(r) == outputs(baseline[0])
     c = r["l2"]
@@ -147,8 +163,11 @@ def test_with_l2_the_report_has_the_pools_l2_counters(baseline, tmp_path):
     assert c["writes"] > 0 and c["written_bytes"] > 0
     assert c["rejected"] == c["outages"] == c["timeouts"] == 0
     assert f"blocks written {c['writes']}" in stdout and f"L2 {r['l2_url']}" in stdout
-    after = {p.pid for p in psutil.process_iter() if p.name() == "redis-server"}
-    assert after <= before, "the local redis-server was left running"
+    # only the redis-server this run started (a descendant), never another one
+    ours = [p for p in seen.values() if _name(p) == "redis-server"]
+    assert ours, "the run started no redis-server of its own"
+    left = [p.pid for p in ours if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, f"the run's redis-server was left running: {left}"
 
 
 @pytest.mark.timeout(120)

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import AsyncIterator, Optional
 
 from .. import layout as L
-from ..layout import FLAG_CACHED
+from ..inspect_pool import block_usage, prefix_hit_rate
 from . import wire
 from .protocol import Error, SampleDone, SamplingParams, Started, Tokens
 from .worker_procs import WorkerLifecycle, WorkerProc
@@ -224,17 +224,18 @@ class WorkerBackend(WorkerLifecycle):
         # neither says what the prefix cache holds. Count the flags instead.
         # NOTE: read without the pool lock: a scrape must not hold up the
         # workers for a scan of every block, and a gauge may be a moment stale.
+        # (the definitions are inspect_pool's, shared with `shmcache inspect`)
         n = m.max_blocks
-        ref = m._p.blocks["ref_count"][1:n] > 0
-        cached = (m._p.blocks["flags"][1:n] & FLAG_CACHED) != 0
-        used, n_cached, free = int(ref.sum()), int(cached.sum()), int((~ref & ~cached).sum())
-        held = int((ref | cached).sum())
+        blocks = block_usage(m._p.blocks["ref_count"][:n], m._p.blocks["flags"][:n])
+        used, n_cached, free = blocks["blocks_used"], blocks["blocks_cached"], blocks["blocks_free"]
+        held = n - 1 - free
         lay = m.layout
         per_block = 2 * lay.num_layers * lay.num_kv_heads * lay.head_dim * lay.block_size * (
             4 if lay.dtype == "float32" else 2)
         c = m._p.c                          # (aligned int64s: never torn)
         out = dict(blocks_total=n - 1, blocks_used=used, blocks_free=free, blocks_cached=n_cached,
                    pool_kv_bytes=held * per_block, lock_holds=int(c[L.C_OPS]),
+                   pool_prefix_hit_rate=prefix_hit_rate(int(c[L.C_HITS]), int(c[L.C_MISSES])),
                    lock_wait_max=int(c[L.C_LOCK_WAIT_NS]) / 1e9,
                    lock_queue=max(0, int(c[L.C_TURN_NEXT]) - int(c[L.C_TURN_NOW])),
                    preemptions=sum(w.preemptions for w in self.workers),

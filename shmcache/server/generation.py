@@ -49,6 +49,8 @@ class Generation:
         self.status: Optional[int] = None       # the outcome, for the requests counter
         self._pending = None
         self._first_token_seen = False
+        self.ttft: Optional[float] = None       # seconds to the first token
+        self.error: Optional[str] = None        # the backend's error message, if any
         self._closed = self._finished = False
         self._gen = srv.backend.generate(prompt, params)
         srv.metrics.running.inc()
@@ -76,6 +78,7 @@ class Generation:
         except StopAsyncIteration:
             return Error("the backend ended the request before starting it", 500)
         if isinstance(ev, Error):
+            self.error = ev.message
             return ev
         if not isinstance(ev, Started):         # lenient: no Started, go on
             self._pending = ev
@@ -102,6 +105,7 @@ class Generation:
                         yield Error("the backend ended the request before finishing it", 500)
                         return
                 if isinstance(ev, Error):
+                    self.error = ev.message
                     yield ev
                     return
                 try:
@@ -124,7 +128,8 @@ class Generation:
             s = self.samples[ev.sample]
             if ev.token_ids and not self._first_token_seen:
                 self._first_token_seen = True
-                self.srv.metrics.ttft.observe(time.monotonic() - self.t0)
+                self.ttft = time.monotonic() - self.t0
+                self.srv.metrics.ttft.observe(self.ttft)
             self.srv.metrics.generation_tokens.inc(len(ev.token_ids))
             if s.done:
                 return None
@@ -175,3 +180,9 @@ class Generation:
         self._finished = True
         self.srv.metrics.running.dec()
         self.srv.metrics.request(self.endpoint, status or self.status or CLIENT_CLOSED)
+        log_request = getattr(self.srv, "log_request", None)
+        if log_request is not None:
+            log_request(self.endpoint, status or self.status or CLIENT_CLOSED,
+                        prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens,
+                        completion_tokens=sum(s.tokens for s in self.samples), ttft=self.ttft,
+                        reason=self.error)

@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 
 log = logging.getLogger("shmcache.server")
 
@@ -59,6 +60,27 @@ def _seconds(text: str) -> float:
     return v
 
 
+def _byte_count(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    mult = units.get(t[-1:], 1)
+    try:
+        v = int(float(t[:-1] if t[-1:] in units else t) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 8388608, 8M)") from None
+    if v < 1024:
+        raise argparse.ArgumentTypeError(f"must be at least 1024 bytes, not {v}")
+    return v
+
+
+def _pool_name(text: str) -> str:
+    from ..segment import check_name
+    try:
+        return check_name(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _redis_url(text: str) -> str:
     from ..l2 import check_url
     try:
@@ -85,8 +107,19 @@ Pools share entries only under one --cluster-secret (or $SHMCACHE_CLUSTER_SECRET
 which keeps it off the command line). Redis down or slow: serving goes on from
 the pool alone.
 
-SIGINT or SIGTERM stops the server: requests in flight get a few seconds, then
-the workers stop and the pool is removed from /dev/shm."""
+The pool is /dev/shm/shmcache.<--pool-name> (default serve-<pid>); at
+startup the server removes the pools named serve-* whose owner (pid and start
+time) is dead and that nobody uses: those a killed server left behind. Its
+default size is 1 GiB of K/V or half of /dev/shm's free space, whichever is
+less (printed at startup; --max-blocks sets it).
+
+max_tokens, when a request gives none: 16 for /v1/completions (as OpenAI's
+API), 512 for /v1/chat/completions (lowered to what the pool can hold).
+
+SIGINT or SIGTERM stops the server: requests in flight get a few seconds,
+then those still running end with a 503 "server shutting down" (an error
+event on a stream); the workers stop and the pool is removed from /dev/shm.
+Exit codes: 0 stopped, 1 startup failed, 2 a bad flag, model or pool size."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -117,6 +150,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "for its running requests (rounded down to whole blocks; default: "
                         "%(default)s). Larger: faster prefill; smaller: shorter pauses in the "
                         "replies streaming from the same worker")
+    p.add_argument("--pool-name", metavar="NAME", type=_pool_name, default=None,
+                   help="the pool's name in /dev/shm (default: serve-<pid>; give each server "
+                        "its own when containers share /dev/shm with --ipc=host)")
+    p.add_argument("--chat-template", metavar="FILE|TEXT", default=None,
+                   help="a Jinja chat template (a file, or the template itself) for a model "
+                        "whose tokenizer has none, or to replace its own")
+    g = p.add_argument_group("limits and access")
+    g.add_argument("--max-body-bytes", metavar="N", type=_byte_count, default=8 << 20,
+                   help="the largest request body, in bytes (8M, 512k; default: 8M); a larger "
+                        "one gets a 413")
+    g.add_argument("--max-prompt-tokens", metavar="N", type=_positive, default=None,
+                   help="refuse (400) prompts longer than this (default: the model's context "
+                        "length only)")
+    g.add_argument("--api-key", metavar="KEY", default=None,
+                   help="require 'Authorization: Bearer KEY' (else 401; /health stays open; "
+                        "default: $SHMCACHE_API_KEY, else no key)")
+    g.add_argument("--allowed-origin", metavar="ORIGIN", action="append", default=[],
+                   help="CORS: a browser origin allowed to call the API (repeatable; '*' for "
+                        "any; default: none)")
+    g.add_argument("--worker-timeout", metavar="S", type=_seconds, default=10.0,
+                   help="a worker silent this long (stopped or hung) gets no new requests; "
+                        "silent twice as long it is killed and restarted (default: %(default)s)")
+    g.add_argument("--max-reruns", metavar="N", type=int, default=2,
+                   help="times a request is re-run after the worker running it died; once "
+                        "more and it fails with an error (default: %(default)s)")
     g = p.add_argument_group("L2 (a Redis tier shared by hosts)")
     g.add_argument("--l2", metavar="URL", type=_redis_url, default=None,
                    help="redis://HOST:PORT[/DB] (rediss:// for TLS): a Redis or Valkey server "
@@ -169,10 +227,45 @@ def _setup_logging(level: str) -> None:
     logging.getLogger("shmcache").setLevel(level.upper())
 
 
+def _chat_template(text: str) -> str:
+    """The template: the file's text if ``text`` names a file, else ``text``."""
+    if "{" not in text and os.path.isfile(text):
+        with open(text, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in text:
+        raise ValueError(f"--chat-template {text}: no such file (nor a Jinja template)")
+    return text
+
+
+def _fail(message: str) -> int:
+    """A startup problem of the user's (model, pool size, flags): one line, exit 2."""
+    print(f"shmcache serve: error: {message}", file=sys.stderr, flush=True)
+    return 2
+
+
 def run(args) -> int:
-    """Serve until SIGINT/SIGTERM; 0 after a clean stop, 1 if startup failed."""
+    """Serve until SIGINT/SIGTERM; 0 after a clean stop, 1 if startup failed,
+    2 for a model or pool that cannot be served (one line saying why)."""
     _setup_logging(args.log_level)
+    ncpu = os.cpu_count() or 1
+    if args.workers > ncpu:
+        log.warning("--workers %d is more than the %d CPUs here: the workers will compete "
+                    "for them (slower, not faster)", args.workers, ncpu)
     sock = _bind(args.host, args.port)
+    try:
+        return _run(args, sock)
+    except KeyboardInterrupt:
+        log.info("shmcache serve: stopped during startup")
+        return 0
+    finally:
+        sock.close()
+
+
+def _run(args, sock) -> int:
+    backend = None
+    # Until the server runs, SIGTERM stops as SIGINT does (KeyboardInterrupt:
+    # the pool, once created, is removed on the way out).
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         import asyncio
 
@@ -189,26 +282,73 @@ def run(args) -> int:
         secret = getattr(args, "cluster_secret", None) or os.environ.get("SHMCACHE_CLUSTER_SECRET")
         if getattr(args, "cluster_secret", None) and not l2:
             log.warning("--cluster-secret without --l2 does nothing")
-        backend = WorkerBackend(model=model, workers=args.workers, max_blocks=args.max_blocks,
-                                prefill_step=args.prefill_step,
-                                block_size=args.block_size, l2=l2,
-                                cluster_secret=secret if l2 else None,
-                                l2_timeout=getattr(args, "l2_timeout", None),
-                                l2_retry=getattr(args, "l2_retry", None),
-                                l2_ttl=getattr(args, "l2_ttl", None))
+        from ..errors import InsufficientSharedMemoryError, ShmCacheError
+        from ..mlx_lm import NotPoolableError
+        from .worker_procs import PoolDoesNotFit, reclaim_dead_pools
+        template = None
+        if getattr(args, "chat_template", None):
+            import jinja2
+            try:
+                template = _chat_template(args.chat_template)
+                jinja2.Environment().parse(template)
+            except (OSError, ValueError) as e:
+                return _fail(f"--chat-template: {e}")
+            except jinja2.TemplateError as e:
+                return _fail(f"--chat-template: not a valid Jinja template: {e}")
+        try:
+            backend = WorkerBackend(model=model, workers=args.workers, max_blocks=args.max_blocks,
+                                    block_size=args.block_size, l2=l2,
+                                    cluster_secret=secret if l2 else None,
+                                    l2_timeout=getattr(args, "l2_timeout", None),
+                                    l2_retry=getattr(args, "l2_retry", None),
+                                    l2_ttl=getattr(args, "l2_ttl", None),
+                                    pool_name=getattr(args, "pool_name", None),
+                                    prefill_step=getattr(args, "prefill_step", 512))
+            if template is not None:
+                # the HF tokenizer's template, used by apply_chat_template
+                backend.tokenizer._tokenizer.chat_template = template
+                backend.tokenizer._chat_template = None
+            backend.stall_s = getattr(args, "worker_timeout", 10.0)
+            backend.max_reruns = max(0, getattr(args, "max_reruns", 2))
+            for name, why in reclaim_dead_pools():
+                log.info("removed the dead pool %s (%s)", name, why)
+            if hasattr(backend, "prepare"):
+                backend.prepare()
+        except NotPoolableError as e:
+            return _fail(f"--model {model}: cannot be served from a pool: {e}")
+        except (PoolDoesNotFit, InsufficientSharedMemoryError) as e:
+            return _fail(f"the pool does not fit: {e}" + (
+                "" if isinstance(e, PoolDoesNotFit) else
+                " (a smaller --max-blocks, or more room: docker run --shm-size=1g)"))
+        except ShmCacheError as e:
+            return _fail(f"pool {backend.pool_name if backend else ''}: {e}")
+        except (ValueError, FileNotFoundError, KeyError, OSError, ImportError) as e:
+            # mlx-lm: "Model type X not supported", "No safetensors found in ..."
+            what = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            return _fail(f"--model {model}: cannot be loaded: {what}")
         url = _url(sock)
 
         def ready() -> None:
-            log.info("shmcache serve: %s, %d workers, on %s (OpenAI API at %s/v1)",
-                     backend.model_id, args.workers, url, url)
+            line = (f"shmcache serve: {backend.model_id}, {args.workers} workers, on {url} "
+                    f"(OpenAI API at {url}/v1)")
+            if log.isEnabledFor(logging.INFO):
+                log.info("%s", line)
+            else:                           # the URL is printed at every log level
+                print(line, file=sys.stderr, flush=True)
 
-        app = create_app(backend, on_ready=ready)
+        api_key = getattr(args, "api_key", None) or os.environ.get("SHMCACHE_API_KEY") or None
+        app = create_app(backend, on_ready=ready,
+                         max_body_bytes=getattr(args, "max_body_bytes", 8 << 20),
+                         max_prompt_tokens=getattr(args, "max_prompt_tokens", None),
+                         api_key=api_key,
+                         allowed_origins=getattr(args, "allowed_origin", None) or ())
         config = uvicorn.Config(app, log_config=None, log_level=args.log_level, lifespan="on",
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
         if args.log_level != "debug":             # our one startup line says it all
             logging.getLogger("uvicorn.error").setLevel(
                 max(logging.WARNING, logging.getLogger("uvicorn.error").level))
         server = uvicorn.Server(config)
+        backend.startup_cancelled = lambda: server.should_exit
         life = app.state.backend_life
         stopped_by = []
 
@@ -222,11 +362,24 @@ def run(args) -> int:
         closing = False
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
 
+        async def fail_late_requests() -> None:
+            # Once a stop is asked for, requests get most of the grace period;
+            # then those still running end with a 503 (an error event on a
+            # stream) before uvicorn cancels them, so every client hears why.
+            while not server.should_exit:
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(max(0.5, GRACEFUL_SHUTDOWN_S - 1.5))
+            n = backend.fail_in_flight() if hasattr(backend, "fail_in_flight") else 0
+            if n:
+                log.info("shutting down: %d request(s) still running end with a 503", n)
+
         async def serve() -> None:
             nonlocal closing
+            late = asyncio.create_task(fail_late_requests())
             try:
                 await server.serve(sockets=[sock])
             finally:
+                late.cancel()
                 closing = True
                 # A second Ctrl-C (SIGINT after SIGINT or SIGTERM) makes uvicorn skip
                 # the lifespan's shutdown; asyncio.run would then cancel the
@@ -259,4 +412,7 @@ def run(args) -> int:
         log.info("shmcache serve: stopped")
         return 0
     finally:
-        sock.close()
+        if getattr(backend, "mgr", None) is not None and not getattr(backend, "_started", True):
+            # prepared (the pool exists) but never served: remove it
+            backend.mgr.destroy()
+            backend.mgr = None

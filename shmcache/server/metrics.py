@@ -25,13 +25,17 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
 BACKEND_STATS = (
     ("blocks_total", "pool_blocks_total", "gauge", "KV blocks in the shared pool"),
     ("blocks_used", "pool_blocks_used", "gauge", "KV blocks in use by running requests"),
-    ("blocks_free", "pool_blocks_free", "gauge", "KV blocks free (not holding cached data)"),
+    ("blocks_free", "pool_blocks_free", "gauge",
+     "KV blocks free: neither used nor holding cached data (inspect_pool.block_usage)"),
     ("blocks_cached", "pool_blocks_cached", "gauge",
      "KV blocks holding reusable prefix-cache data"),
     ("pool_kv_bytes", "pool_kv_bytes", "gauge",
      "bytes of K/V held by the pool's used and cached blocks (shared by every worker)"),
     ("working_bytes", "working_kv_bytes", "gauge",
      "bytes of the workers' private K/V working buffers (the running batches)"),
+    ("pool_prefix_hit_rate", "pool_prefix_hit_rate", "gauge",
+     "prompt blocks found in the pool over prompt blocks looked up, since the pool was made "
+     "(the pool's counters, as shmcache inspect shows them)"),
     ("lock_holds", "pool_lock_holds", "counter",
      "holds of the pool lock that ended cleanly, by every process of the pool"),
     ("lock_wait_max", "pool_lock_wait_max_seconds", "gauge",
@@ -117,7 +121,8 @@ class Metrics:
                               "seconds from receiving a request to its first generated token",
                               buckets=TTFT_BUCKETS, registry=r)
         self.hit_rate = Gauge(f"{PREFIX}_prefix_cache_hit_rate",
-                              "cached prompt tokens / prompt tokens, since start", registry=r)
+                              "cached prompt tokens / prompt tokens of this server's requests, "
+                              "since start (see also shmcache_pool_prefix_hit_rate)", registry=r)
         self._lock = threading.Lock()
         self._prompt = 0
         self._cached = 0

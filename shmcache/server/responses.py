@@ -4,11 +4,15 @@
 its end and answers in the shape of its endpoint (:class:`CompletionShape`
 or :class:`ChatShape`): the whole text at once, or, with ``stream``, one
 ``data:`` event per piece of text and ``data: [DONE]`` last. A client that
-disconnects cancels the generation (the request is counted as 499).
+disconnects cancels the generation (the request is counted as 499). A
+stream not admitted within ``KEEPALIVE_S`` (a long prefill, a full server)
+starts at once and sends ``: keep-alive`` comments until its first token,
+so that clients and proxies do not time out.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from contextlib import aclosing
@@ -162,7 +166,23 @@ async def respond(srv: "_Server", request: Request, shape, req, prompt: list[int
     gen = Generation(srv, shape.endpoint, prompt, params, req.stop or [], t0)
     streaming = False
     try:
-        ok, err = await unless_disconnected(request, gen.start)
+        if req.stream:
+            # not admitted within KEEPALIVE_S (a long prefill, a queue): the
+            # stream starts now and sends SSE comments until the first token
+            start = asyncio.ensure_future(gen.start())
+            await asyncio.wait([start], timeout=KEEPALIVE_S)
+            if not start.done():
+                streaming = True
+                rid = shape.id_prefix + uuid.uuid4().hex
+                return SSEResponse(gen, _keepalive_then_stream(
+                    srv, gen, start, shape, rid, int(time.time()), req.include_usage))
+            start_result = start.result()
+
+            async def started():
+                return start_result
+            ok, err = await unless_disconnected(request, started)
+        else:
+            ok, err = await unless_disconnected(request, gen.start)
         if not ok:
             return Response(status_code=CLIENT_CLOSED)
         if err is not None:
@@ -207,6 +227,35 @@ def _splitters(srv, shape, req, n: int, streaming: bool):
         return None
     tools = [t.to_template() for t in req.tools]
     return [ToolCallSplitter(srv.tokenizer, tools, streaming) for _ in range(n)]
+
+
+KEEPALIVE_S = 2.0                   # a stream's SSE comment interval before its first token
+
+
+async def _keepalive_then_stream(srv, gen: Generation, start: "asyncio.Future", shape,
+                                 rid: str, created: int, include_usage: bool):
+    """``: keep-alive`` comments every KEEPALIVE_S until ``start`` (the
+    generation's ``start``) is done, then the stream (or its error as an
+    event). Ended early (a disconnect), it cancels ``start`` first, so that
+    the backend's generator is not running when it is closed."""
+    try:
+        while not start.done():
+            await asyncio.wait([start], timeout=KEEPALIVE_S)
+            if not start.done():
+                yield b": keep-alive\n\n"
+    finally:
+        if not start.done():
+            start.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.wait([start])
+    err = start.result()
+    if err is not None:
+        gen.status = err.status
+        yield sse(error_body(err.status, err.message))
+        yield b"data: [DONE]\n\n"
+        return
+    async for chunk in _stream(srv, gen, shape, rid, created, include_usage):
+        yield chunk
 
 
 async def _collect(gen: Generation):

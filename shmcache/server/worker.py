@@ -6,6 +6,11 @@ It attaches to the pool by name, loads the model with mlx-lm, says
 on stdin (read by a thread into a queue) and are taken between steps; events
 go back on a private copy of stdout. The worker exits when stdin closes (the
 supervisor is gone) or on :class:`~shmcache.server.wire.Stop`.
+
+Heartbeat: the main loop reports its :class:`~shmcache.server.wire.Load`
+every 0.5 s between steps; a thread repeats the last report when the main
+loop has sent none for 0.5 s (a long prefill is one step), so a worker that
+says nothing at all is stopped or hung, and the supervisor acts on it.
 """
 
 from __future__ import annotations
@@ -32,6 +37,21 @@ def _reader(q: queue.Queue) -> None:
             q.put(None)
             return
         q.put(wire.to_worker.decode(body))
+
+
+HEARTBEAT_S = 0.5
+
+
+def _heartbeat(writer, last: list, stop: threading.Event) -> None:
+    """Resends ``last[0]`` (the latest Load) when nothing was sent for
+    HEARTBEAT_S; ``last[1]`` is when the main loop last sent one."""
+    while not stop.wait(HEARTBEAT_S / 2):
+        if time.monotonic() - last[1] >= HEARTBEAT_S:
+            try:
+                writer.send(last[0])
+            except OSError:                # the supervisor is gone
+                return
+            last[1] = time.monotonic()
 
 
 def main(argv=None) -> int:
@@ -90,6 +110,9 @@ def main(argv=None) -> int:
     threading.Thread(target=_reader, args=(q,), daemon=True).start()
     writer.send(wire.Ready(args.id, os.getpid()))
     last_load = 0.0
+    beat = [wire.Load(args.id, 0, 0, 0, 0, {}), time.monotonic()]
+    beat_stop = threading.Event()
+    threading.Thread(target=_heartbeat, args=(writer, beat, beat_stop), daemon=True).start()
     try:
         while True:
             try:
@@ -111,12 +134,15 @@ def main(argv=None) -> int:
             now = time.monotonic()
             if now - last_load > 0.5:
                 last_load = now
-                writer.send(wire.Load(args.id, len(engine.rows), len(engine.waiting),
-                                      engine.preemptions, engine.working_bytes(),
-                                      mgr.l2.stats() if mgr.l2 is not None else {}))
+                beat[0] = wire.Load(args.id, len(engine.rows), len(engine.waiting),
+                                    engine.preemptions, engine.working_bytes(),
+                                    mgr.l2.stats() if mgr.l2 is not None else {})
+                writer.send(beat[0])
+                beat[1] = now
     except BrokenPipeError:
         return 0
     finally:
+        beat_stop.set()
         engine.close()
         mgr.close()                 # (stops its L2 tier first: up to 1 s of writes)
 

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Optional
 
@@ -56,6 +57,51 @@ def tree_pss(pids: list[int]) -> int:
     return total
 
 
+def tree_cpu_seconds(pids: list[int]) -> float:
+    """User+system CPU seconds so far of these processes and all their children."""
+    total = 0.0
+    for pid in pids:
+        for p in _tree(pid):
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
+    return total
+
+
+class PssSampler:
+    """Samples the summed PSS of some process trees every ``interval`` seconds
+    in a thread, from ``start()`` to ``stop()``; ``peak`` is the largest sum
+    seen (one more sample is taken at stop)."""
+
+    def __init__(self, pids: list[int], interval: float = 2.0):
+        self.pids, self.interval = list(pids), interval
+        self.peak = 0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        self.peak = max(self.peak, tree_pss(self.pids))
+        self.samples += 1
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def start(self) -> "PssSampler":
+        self._sample()
+        self._thread.start()
+        return self
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        return self.peak
+
+
 def _maps(pid: int) -> list[str]:
     try:
         with open(f"/proc/{pid}/maps") as f:
@@ -74,8 +120,14 @@ def _shm_entries() -> set[str]:
 class Server:
     """One server process (started in its own session, so its group is its own)."""
 
-    def __init__(self, label: str, argv: list[str], env_set: dict, port: int, logdir: str):
+    #: every Server started and not yet stopped (the benchmark stops them on exit)
+    live: "set[Server]" = set()
+
+    def __init__(self, label: str, argv: list[str], env_set: dict, port: int, logdir: str,
+                 env_unset: tuple[str, ...] = ()):
         self.label, self.argv, self.env_set, self.port = label, argv, env_set, port
+        self.env_unset = tuple(env_unset)
+        self.health_path = "/health"         # llama.cpp's server: "/v1/models"
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = os.path.join(logdir, f"{label}-{port}.log")
         self.proc: Optional[subprocess.Popen] = None
@@ -83,8 +135,9 @@ class Server:
         self.shm_paths: set[str] = set()     # /dev/shm files its tree mapped
 
     def command(self) -> str:
-        unset = ["-u", "LD_PRELOAD"] if "LD_PRELOAD" in os.environ and \
-            "LD_PRELOAD" not in self.env_set else []
+        drop = [k for k in ("LD_PRELOAD",) + self.env_unset
+                if k in os.environ and k not in self.env_set]
+        unset = [a for k in drop for a in ("-u", k)]
         env = [f"{k}={v}" for k, v in self.env_set.items()]
         pre = (["env"] + unset + env) if unset else env
         return shlex.join(pre + self.argv)
@@ -92,11 +145,14 @@ class Server:
     def start(self) -> None:
         env = dict(os.environ)
         env.pop("LD_PRELOAD", None)
+        for k in self.env_unset:
+            env.pop(k, None)
         env.update(self.env_set)
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(self.argv, env=env, stdout=self._log,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      start_new_session=True)
+        Server.live.add(self)
         self.pids.add(self.proc.pid)
 
     def log_tail(self, n: int = 25) -> str:
@@ -113,9 +169,10 @@ class Server:
                 raise RuntimeError(f"{self.label} exited with {self.proc.returncode} before it "
                                    f"was ready; its log:\n{self.log_tail()}")
             try:
-                r = client.get(self.url + "/health", timeout=2)
+                r = client.get(self.url + self.health_path, timeout=2)
                 if r.status_code == 200:
-                    alive = r.json().get("workers_alive")
+                    body = r.json()
+                    alive = body.get("workers_alive") if isinstance(body, dict) else None
                     if alive is None or alive >= workers:
                         return
             except (httpx.HTTPError, ValueError):
@@ -175,5 +232,15 @@ class Server:
                 pass
         rc = self.proc.wait()
         self._log.close()
+        Server.live.discard(self)
         return rc
+
+
+def stop_all() -> None:
+    """Stop every server still running (the benchmark's exit path)."""
+    for s in list(Server.live):
+        try:
+            s.stop(grace=10)
+        except Exception as e:  # noqa: BLE001 - keep stopping the others
+            log(f"{s.label}: stop failed: {type(e).__name__}: {e}")
 

@@ -38,11 +38,13 @@ K/V through and publishes blocks as they fill.
 
 With an L2 on the manager (``mgr.l2``: ``shmcache serve --l2``, the
 worker attaches with ``l2=``), admission asks it for the chain's next
-blocks after the L1 hit (``PoolSequence.acquire``): what it finds is loaded
-into new pool blocks and published in L1 before the prefill, which then
-starts on the block boundary after it, as after an L1 hit; every block this
-worker publishes is queued for L2 (``PoolSequence.publish``; a background
-thread writes it).
+blocks after the L1 hit (``PoolSequence.begin``) on the L2's fetch thread,
+and decode steps go on while it waits: the prefill starts when the lookup
+is done or its deadline (``--l2-timeout``, for the lookup as a whole) has
+passed. What arrived is loaded into new pool blocks and published in L1
+before the prefill, which then starts on the block boundary after it, as
+after an L1 hit; the rest is computed. Every block this worker publishes is
+queued for L2 (``PoolSequence.publish``; a background thread writes it).
 
 Out of blocks, the newest request is preempted (its tables deleted, its
 published blocks stay cached) and re-run from its prompt later; the
@@ -59,7 +61,8 @@ from typing import Callable, Optional
 import mlx.core as mx
 
 from ..errors import OutOfBlocksError
-from ..mlx_lm import PoolBatchKVCache, PoolKVCache, PoolSequence, load_prefix, make_pool_cache
+from ..mlx_lm import (PendingSequence, PoolBatchKVCache, PoolKVCache, PoolSequence, load_prefix,
+                      make_pool_cache)
 from .sampling import RowSampler
 from .wire import Gen
 
@@ -88,11 +91,22 @@ class _Req:
 @dataclass
 class _Prefill:
     """A request whose prompt is being computed: its sequence holds the
-    cached prefix and every chunk computed so far (``seq.stored``)."""
+    cached prefix and every chunk computed so far (``seq.stored``). While
+    ``pending`` is set, its L2 lookup is in flight: ``seq`` and ``caches``
+    are None until it is ready (:meth:`Engine._finish_start`)."""
     req: _Req
-    seq: PoolSequence
-    caches: list                    # one PoolKVCache per layer: the working buffers
+    seq: Optional[PoolSequence]
+    caches: Optional[list]          # one PoolKVCache per layer: the working buffers
     cached: int                     # prompt tokens found in the pool
+    pending: Optional[PendingSequence] = None
+
+    def release(self) -> None:
+        """Give back what it holds (a failed or cancelled prefill)."""
+        if self.pending is not None:
+            self.pending.release()
+            self.pending = None
+        elif self.seq is not None:
+            self.seq.release()
 
 
 class Engine:
@@ -145,12 +159,19 @@ class Engine:
         pf = self.prefilling
         if pf is not None and pf.req is req:
             self.prefilling = None
-            pf.seq.release()
+            pf.release()
         self._drop_rows(req)
 
     @property
     def busy(self) -> bool:
         return bool(self.rows or self.waiting or self.prefilling)
+
+    @property
+    def waiting_on_l2(self) -> bool:
+        """Nothing to compute until an L2 lookup is ready (the caller may sleep a little)."""
+        pf = self.prefilling
+        return not self.rows and pf is not None and pf.pending is not None and \
+            not pf.pending.ready()
 
     def working_bytes(self) -> int:
         return sum(c.nbytes for c in self.batch) if self.batch else 0
@@ -163,7 +184,7 @@ class Engine:
 
     def close(self) -> None:
         if self.prefilling is not None:
-            self.prefilling.seq.release()
+            self.prefilling.release()
             self.prefilling = None
         for req in list(self._reqs.values()):
             self._drop_rows(req)
@@ -185,11 +206,23 @@ class Engine:
                     self._fail(req, e)
                     continue
             pf = self.prefilling
+            if pf.pending is not None:
+                # its L2 lookup is in flight: decode goes on meanwhile; the
+                # prefill starts when it is done or its deadline has passed
+                if not pf.pending.ready():
+                    return
+                try:
+                    self._finish_start(pf)
+                except Exception as e:
+                    self.prefilling = None
+                    pf.release()
+                    self._fail(pf.req, e)
+                    continue
             try:
                 used, logits = self._prefill_chunk(pf, budget)
             except Exception as e:
                 self.prefilling = None
-                pf.seq.release()         # a failed prefill holds nothing
+                pf.release()             # a failed prefill holds nothing
                 if isinstance(e, OutOfBlocksError):
                     # others hold the blocks: try again after the next step
                     # (from its prompt: the published chunks stay cached)
@@ -220,19 +253,31 @@ class Engine:
         return f"w{self.wid}.r{req.gen.id}.a{req.attempt}.s{sample}"
 
     def _start(self, req: _Req) -> _Prefill:
-        """Take the longest cached prefix (L1, then L2: never raises for an
-        L2 fault) and load it into new working buffers."""
+        """Take the longest cached prefix in L1 and start its L2 lookup
+        (``PoolSequence.begin``: never raises for an L2 fault); with no
+        lookup in flight, load it into new working buffers now."""
         p = req.gen.params
         extra = (p.salt,) if p.salt else None
-        seq = PoolSequence.acquire(self.mgr, self._tables(req, 0), req.gen.prompt[:-1], extra)
-        try:
-            caches = make_pool_cache(self.model, seq)
-            load_prefix(caches)
-        except BaseException:
-            seq.release()
-            raise
-        self.emit("progress", (req.gen.id, seq.stored))
-        return _Prefill(req, seq, caches, seq.stored)
+        pending = PoolSequence.begin(self.mgr, self._tables(req, 0), req.gen.prompt[:-1], extra)
+        pf = _Prefill(req, None, None, 0, pending)
+        if pending.ready():
+            try:
+                self._finish_start(pf)
+            except BaseException:
+                pf.release()
+                raise
+        return pf
+
+    def _finish_start(self, pf: _Prefill) -> None:
+        """The L2 lookup is ready: load what it delivered into the pool
+        (published in L1), then the whole prefix into new working buffers."""
+        seq = pf.pending.finish()
+        pf.pending = None
+        pf.seq = seq
+        caches = make_pool_cache(self.model, seq)
+        load_prefix(caches)
+        pf.caches, pf.cached = caches, seq.stored
+        self.emit("progress", (pf.req.gen.id, seq.stored))
 
     def _prefill_chunk(self, pf: _Prefill, budget: int):
         """Compute the next chunk of ``pf``'s prompt within ``budget`` tokens.

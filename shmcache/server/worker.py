@@ -116,7 +116,12 @@ def main(argv=None) -> int:
     try:
         while True:
             try:
-                msg = q.get(timeout=0.5) if not engine.busy else q.get_nowait()
+                if not engine.busy:
+                    msg = q.get(timeout=0.5)
+                elif engine.waiting_on_l2:         # an L2 lookup in flight, nothing to decode
+                    msg = q.get(timeout=0.002)
+                else:
+                    msg = q.get_nowait()
             except queue.Empty:
                 msg = False
             while msg is not False:

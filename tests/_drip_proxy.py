@@ -59,14 +59,17 @@ class DripProxy:
     async def _pump(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         try:
             while True:
-                rate = self.rate
-                data = await r.read(65536 if rate is None else max(1, int(rate // 20)))
+                data = await r.read(65536)
                 if not data:
                     return
-                if rate is not None:
-                    await asyncio.sleep(len(data) / rate)
-                w.write(data)
-                await w.drain()
+                while data:                  # the rate now, whatever it was when read
+                    rate = self.rate
+                    n = len(data) if rate is None else max(1, int(rate // 20))
+                    if rate is not None:
+                        await asyncio.sleep(min(n, len(data)) / rate)
+                    w.write(data[:n])
+                    data = data[n:]
+                    await w.drain()
         except (OSError, asyncio.CancelledError):
             return
 

@@ -23,6 +23,14 @@ prefill:
 * fork the table for samples 1..n-1 and add every sample as a row of the
   running batch (``PoolBatchKVCache.extend``).
 
+Working buffers: each row's K/V also lives in this process, in mlx-lm's
+``BatchKVCache`` (every row as long as the longest), so a worker's memory
+grows with rows x context whatever the pool shares. With
+``max_working_bytes``, the head of the queue starts only when the batch's
+peak with it (:meth:`Engine.working_need`) fits; it waits for running rows
+to finish, and one that could never fit, even alone, fails with a 400 that
+says so.
+
 INVARIANT: a step spends at most ``prefill_step`` prompt tokens on prefill
 before its decode step, so the running rows get a token every step
 whatever is being admitted (chunked prefill mixed with decode, as vLLM's
@@ -61,6 +69,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 
 from ..errors import OutOfBlocksError
+from ..layout import ITEMSIZE
 from ..mlx_lm import (PendingSequence, PoolBatchKVCache, PoolKVCache, PoolSequence, load_prefix,
                       make_pool_cache)
 from .sampling import RowSampler
@@ -109,6 +118,9 @@ class _Prefill:
             self.seq.release()
 
 
+KV_STEP = 256                       # mlx-lm's KVCache grows its buffers in steps of this
+
+
 class Engine:
     """Runs requests of one worker over one manager attached to the pool.
 
@@ -123,10 +135,13 @@ class Engine:
         max_batch: the most samples decoded together.
         prefill_step: the most prompt tokens computed per step (rounded
             down to a multiple of the block size, at least one block).
+        max_working_bytes: the most bytes of working K/V buffers (this
+            process's own MLX arrays, whatever the pool shares) the batch may
+            reach (None: no limit). See :meth:`working_need`.
     """
 
     def __init__(self, mgr, model, eos_ids, emit, worker_id: int = 0, max_batch: int = 32,
-                 prefill_step: int = 512) -> None:
+                 prefill_step: int = 512, max_working_bytes: Optional[int] = None) -> None:
         self.mgr = mgr
         self.model = model
         self.eos = set(eos_ids)
@@ -135,6 +150,11 @@ class Engine:
         self.max_batch = max_batch
         self.bs = mgr.block_size
         self.prefill_step = max(self.bs, prefill_step // self.bs * self.bs)
+        self.max_working_bytes = max_working_bytes
+        lay = mgr.layout
+        # one token's K and V in every layer, as the working buffers hold them
+        self.token_bytes = lay.num_layers * 2 * lay.num_kv_heads * lay.head_dim * \
+            ITEMSIZE[lay.dtype]
         self.waiting: deque = deque()
         self.prefilling: Optional[_Prefill] = None
         self.rows: list = []
@@ -174,7 +194,28 @@ class Engine:
             not pf.pending.ready()
 
     def working_bytes(self) -> int:
-        return sum(c.nbytes for c in self.batch) if self.batch else 0
+        """Bytes of working K/V buffers now: the batch's and the prefill's."""
+        n = sum(c.nbytes for c in self.batch) if self.batch else 0
+        pf = self.prefilling
+        if pf is not None and pf.caches:
+            n += sum(c.nbytes for c in pf.caches)
+        return n
+
+    def working_need(self, req: "_Req", alone: bool = False) -> int:
+        """Working-buffer bytes of the batch at its peak if ``req``'s samples join it.
+
+        Every row of mlx-lm's ``BatchKVCache`` spans the batch's longest
+        row (left padding), and a row grows to its prompt plus
+        ``max_tokens``; so the peak is at most (rows) x (the longest final
+        length, rounded up to mlx-lm's 256-token steps) x ``token_bytes``.
+        ``alone``: ``req``'s samples in a batch of their own.
+        """
+        def end(g) -> int:
+            return len(g.prompt) + g.params.max_tokens
+        rows = [] if alone else self.rows
+        longest = max([end(req.gen)] + [end(r.req.gen) for r in rows])
+        longest = -(-longest // KV_STEP) * KV_STEP
+        return (len(rows) + req.gen.params.n) * longest * self.token_bytes
 
     def step(self) -> None:
         """Up to ``prefill_step`` prompt tokens of prefill, then one decode step."""
@@ -199,6 +240,12 @@ class Engine:
                 if not self.waiting or \
                         len(self.rows) + self.waiting[0].gen.params.n > self.max_batch:
                     return
+                if self.max_working_bytes and not self._fits(self.waiting[0]):
+                    if self.rows:
+                        return           # waits for running rows to finish
+                    req = self.waiting.popleft()
+                    self._refuse(req)
+                    continue
                 req = self.waiting.popleft()
                 try:
                     self.prefilling = self._start(req)
@@ -240,6 +287,20 @@ class Engine:
                 self._to_rows(pf, logits)
             except Exception as e:
                 self._fail(pf.req, e)
+
+    def _fits(self, req: _Req) -> bool:
+        return self.working_need(req) <= self.max_working_bytes
+
+    def _refuse(self, req: _Req) -> None:
+        """``req`` alone needs more working buffers than this worker may have."""
+        p, need = req.gen.params, self.working_need(req, alone=True)
+        msg = (f"this request needs {need / 2**20:,.0f} MiB of working K/V buffers ({p.n} "
+               f"sample(s) x {len(req.gen.prompt) + p.max_tokens:,} tokens of prompt and "
+               f"max_tokens), more than a worker may use (--max-working-bytes "
+               f"{self.max_working_bytes / 2**20:,.0f} MiB); lower max_tokens, n or the prompt")
+        log.warning("request %d refused: %s", req.gen.id, msg)
+        self._reqs.pop(req.gen.id, None)
+        self.emit("failed", (req.gen.id, msg, 400))
 
     def _fail(self, req: _Req, e: BaseException) -> None:
         """A bug or bad input: fail this request only."""

@@ -47,7 +47,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 __all__ = ["PoolSequence", "PoolKVCache", "PoolBatchKVCache", "pool_layout", "check_poolable",
-           "make_pool_cache", "load_prefix", "NotPoolableError"]
+           "make_pool_cache", "load_prefix", "NotPoolableError", "PendingSequence"]
 
 log = logging.getLogger("shmcache.mlx_lm")
 
@@ -138,24 +138,36 @@ class PoolSequence:
         Raises:
             ValueError: the id is taken; what ``create_block_table`` raises.
         """
+        return cls.begin(mgr, request_id, tokens, extra_keys).finish()
+
+    @classmethod
+    def begin(cls, mgr, request_id: str, tokens: Sequence[int],
+              extra_keys=None) -> "PendingSequence":
+        """:meth:`acquire` in two halves, for a caller that must not wait on
+        L2: the L1 prefix is taken now and the L2 lookup of the next blocks
+        starts on the L2's fetch thread; :meth:`PendingSequence.ready` says
+        when :meth:`PendingSequence.finish` (which loads what arrived into
+        the pool and returns the sequence) no longer waits: the lookup is
+        done or its deadline (``--l2-timeout``) has passed.
+
+        Raises:
+            ValueError: the id is taken; what ``create_block_table`` raises.
+        """
         table = mgr.create_block_table(request_id)
         try:
             bs = mgr.block_size
             _, cached = mgr.acquire_computed_blocks(tokens, extra_keys, table=table)
             l2 = getattr(mgr, "l2", None)
-            chain = None
+            chain = lookup = None
             if l2 is not None:
                 n = len(tokens) // bs
                 chain = l2.chain(tokens, n, extra_keys)
                 if cached // bs < n:
-                    l2.load(table, tokens, extra_keys, cached // bs, chain)
+                    lookup = l2.start(cached // bs, chain)
         except BaseException:
             mgr.delete_block_table(table.request_id)
             raise
-        seq = cls(mgr, table, extra_keys)
-        if chain is not None:
-            seq.chain = chain[:seq.published]
-        return seq
+        return PendingSequence(cls, mgr, table, tokens, extra_keys, cached // bs, chain, lookup)
 
     def fork(self, request_id: str) -> "PoolSequence":
         """A sequence over a fork of this one's table (``fork_block_table``),
@@ -248,6 +260,59 @@ class PoolSequence:
         pool, published ones stay cached)."""
         self._staged.clear()
         self.mgr.delete_block_table(self.table.request_id)
+
+
+class PendingSequence:
+    """A sequence whose L1 prefix is held and whose L2 lookup may be in
+    flight (:meth:`PoolSequence.begin`).
+
+    INVARIANT: the pool is touched on the owner's thread only; the fetch
+    thread only reads Redis. What L2 delivered is written into fresh blocks
+    and published in L1 by :meth:`finish`, before any prefill, so the
+    prefill starts on a block boundary as after an L1 hit; what did not
+    arrive by the deadline is computed.
+    """
+
+    def __init__(self, cls, mgr, table, tokens, extra_keys, first: int, chain, lookup) -> None:
+        self._cls = cls
+        self.mgr = mgr
+        self.table = table
+        self.tokens = tokens
+        self.extra_keys = extra_keys
+        self.first = first
+        self.chain = chain
+        self.lookup = lookup
+
+    def ready(self) -> bool:
+        """:meth:`finish` would not wait."""
+        return self.lookup is None or self.lookup.ready()
+
+    def finish(self) -> PoolSequence:
+        """The sequence, with what L2 delivered loaded and published (waits
+        for the lookup up to its deadline). An L2 fault or a pool too full
+        to load into only makes the prefix shorter."""
+        try:
+            if self.lookup is not None:
+                found = self.lookup.wait()
+                self.lookup = None
+                self.mgr.l2.install(self.table, self.tokens, self.extra_keys, self.first, found)
+        except BaseException:
+            self.release()
+            raise
+        seq = self._cls(self.mgr, self.table, self.extra_keys)
+        if self.chain is not None:
+            seq.chain = self.chain[:seq.published]
+        return seq
+
+    def release(self) -> None:
+        """Give up: stop the lookup, delete the table (once)."""
+        if self.table is None:
+            return
+        if self.lookup is not None:
+            self.lookup.take()
+            self.lookup = None
+        table, self.table = self.table, None
+        self.mgr.delete_block_table(table.request_id)
 
 
 class PoolKVCache(KVCache):

@@ -15,7 +15,8 @@ The modules, from the bottom up:
   shares an entry;
 * :mod:`.client`: the URL, the connection, outages (:class:`Health`) and
   this process's counters;
-* :mod:`.store`: :class:`RedisL2`, lookups (pipelined ``MGET``) and the
+* :mod:`.store`: :class:`RedisL2`, lookups (pipelined ``MGET`` on a fetch
+  thread, each bounded as a whole by a deadline: :class:`Lookup`) and the
   write-back thread;
 * :mod:`.tier`: :class:`L2Tier`, the glue to a pool manager.
 
@@ -31,10 +32,10 @@ from .codec import (_HDR, _MAC_OFF, DEFAULT_MAX_VALUE,  # noqa: F401  (_HDR, _MA
 from .identity import (SECRET_ENV, model_identity, resolve_model, resolve_secret,
                        runtime_identity)
 from .store import (DEFAULT_BATCH_BYTES, DEFAULT_QUEUE_BYTES, DEFAULT_RETRY, DEFAULT_TIMEOUT,
-                    FLUSH_S, PROBE_BLOCKS, RedisL2)
+                    FLUSH_S, PROBE_BLOCKS, Lookup, RedisL2)
 from .tier import L2Tier, pool_counter_sink, read_blocks, write_blocks
 
-__all__ = ["KVLayout", "Codec", "RedisL2", "L2Tier", "Rejected", "fingerprint", "model_identity",
+__all__ = ["KVLayout", "Codec", "RedisL2", "Lookup", "L2Tier", "Rejected", "fingerprint", "model_identity",
            "runtime_identity", "resolve_model", "resolve_secret", "check_url", "redact", "connect",
            "read_blocks", "write_blocks", "pool_counter_sink", "COUNTERS", "FORMAT_VERSION",
            "HEADER_BYTES", "DEFAULT_TIMEOUT", "DEFAULT_RETRY", "DEFAULT_QUEUE_BYTES",

@@ -1,7 +1,9 @@
 """A Redis (or Valkey) server as the L2 of one layout: lookups and write-back.
 
-:meth:`RedisL2.lookup` runs on the serving thread: pipelined ``MGET`` of the
-chain's blocks, stopping at the first missing or rejected one.
+:meth:`RedisL2.start` queues a lookup for the fetch thread: pipelined ``MGET``
+of the chain's blocks, stopping at the first missing or rejected one; the
+caller polls :meth:`Lookup.ready` and takes what arrived by the lookup's
+deadline (``timeout``, for the lookup as a whole) with :meth:`Lookup.take`.
 :meth:`RedisL2.put` only queues a copy: a background thread ``SET``\\ s it,
 pipelined, and every ``flush_s`` hands this process's counter deltas to a
 sink (the pool-wide counters), so the serving path waits on neither. Faults
@@ -23,7 +25,7 @@ from .codec import HEADER_BYTES, Codec, Rejected
 
 log = logging.getLogger("shmcache.l2")
 
-DEFAULT_TIMEOUT = 0.05                  # seconds, every socket operation of a lookup
+DEFAULT_TIMEOUT = 0.05                  # seconds, a lookup as a whole
 DEFAULT_RETRY = 2.0                     # seconds between attempts during an outage
 DEFAULT_QUEUE_BYTES = 256 << 20         # write-back queued and not yet sent, at most
 DEFAULT_BATCH_BYTES = 32 << 20          # one MGET or one SET pipeline, at most
@@ -37,9 +39,8 @@ class RedisL2:
     Args:
         url: ``redis://HOST:PORT[/DB]`` (``rediss://`` for TLS).
         codec: keys and values (:class:`~shmcache.l2.codec.Codec`).
-        timeout: seconds for each socket operation of a lookup (connect,
-            send, each read); a lookup never waits longer than that for
-            Redis to answer.
+        timeout: seconds a lookup has, as a whole (connect, sends and
+            reads: :meth:`start`); each socket operation has as long.
         write_timeout: the same for the writer thread (default: 1 s, at
             least ``timeout``).
         retry_s: during an outage, seconds between attempts.
@@ -66,7 +67,12 @@ class RedisL2:
         self.queue_bytes = queue_bytes
         self.c = Counters()
         self.health = Health(redact(url), retry_s, self.c)
-        self._r = connect(url, timeout)
+        self.timeout = timeout
+        self._r = connect(url, timeout)           # the fetch thread's
+        self._fq: deque = deque()                 # lookups not started
+        self._fcv = threading.Condition()
+        self._fetcher: Optional[threading.Thread] = None
+        self._inflight: Optional[Lookup] = None
         self._w = connect(url, max(timeout, write_timeout if write_timeout is not None else 1.0))
         vb = codec.layout.block_bytes + HEADER_BYTES * len(codec.chunks)
         self._batch_blocks = max(1, batch_bytes // vb)
@@ -86,39 +92,88 @@ class RedisL2:
         self._thread.start()
 
     # -------------------------------------------------------------- reads
-    def lookup(self, chain: Sequence[bytes]) -> List[List[memoryview]]:
-        """The payloads of the longest run of ``chain``'s blocks in Redis.
+    def lookup(self, chain: Sequence[bytes],
+               timeout: Optional[float] = None) -> List[List[memoryview]]:
+        """The payloads of the longest run of ``chain``'s blocks in Redis
+        that arrives within ``timeout`` (default: this store's): :meth:`start`
+        then :meth:`Lookup.wait`.
 
         Args:
             chain: chain hashes, from the first block wanted.
         Returns:
             One list of chunk payloads per block found, from the first;
             stops at the first block missing or rejected. Empty or shorter
-            for a Redis fault: never raises for one.
+            for a Redis fault or a deadline passed: never raises for either.
         """
-        if not chain or not self.health.usable():
-            return []
+        return self.start(chain, timeout).wait()
+
+    def start(self, chain: Sequence[bytes], timeout: Optional[float] = None) -> "Lookup":
+        """Start a lookup of ``chain`` on the fetch thread; it ends, as a
+        whole, ``timeout`` seconds from now (default: this store's).
+
+        INVARIANT: the caller's thread never waits on Redis: the lookup runs
+        on this store's fetch thread (one at a time, in order), and
+        :meth:`Lookup.take` returns at once with the blocks that arrived.
+        Past the deadline, a lookup still in flight is aborted (its
+        connection closed) so that a dripping Redis holds nothing.
+        """
+        timeout = self.timeout if timeout is None else timeout
+        lk = Lookup(self, list(chain), time.monotonic() + timeout)
+        if not lk.chain or not self.health.usable():
+            lk.done.set()
+            return lk
         self.c.add("lookups")
-        codec, nc = self.codec, len(self.codec.chunks)
-        found: list = []
-        nbytes = 0
-        i, n, ended = 0, min(PROBE_BLOCKS, self._batch_blocks), False
-        while i < len(chain) and not ended:
+        with self._fcv:
+            if self._fetcher is None:
+                self._fetcher = threading.Thread(target=self._fetch_loop,
+                                                 name="shmcache-l2-fetch", daemon=True)
+                self._fetcher.start()
+            self._fq.append(lk)
+            self._fcv.notify()
+        return lk
+
+    def _fetch_loop(self) -> None:
+        while True:
+            with self._fcv:
+                while not self._fq and not self._closing:
+                    self._fcv.wait()
+                if not self._fq:
+                    return
+                lk = self._fq.popleft()
+                self._inflight = lk
+            try:
+                if not lk.taken and time.monotonic() < lk.deadline and self.health.usable():
+                    self._fetch(lk)
+            finally:
+                with self._fcv:
+                    self._inflight = None
+                lk.done.set()
+
+    def _fetch(self, lk: "Lookup") -> None:
+        """Pipelined ``MGET``\\ s of ``lk.chain`` on the fetch thread; each
+        batch's blocks are appended to ``lk.found`` as it arrives."""
+        codec, nc, chain = self.codec, len(self.codec.chunks), lk.chain
+        i, n = 0, min(PROBE_BLOCKS, self._batch_blocks)
+        while i < len(chain):
+            if lk.taken or time.monotonic() >= lk.deadline:
+                return
             part = chain[i:i + n]
             keys = [k for h in part for k in codec.keys(h)]
             try:
                 values = self._r.mget(keys)
             except Exception as e:        # redis.RedisError, OSError: Redis is not answering
-                self.health.failed(e)
-                break
+                if not lk.taken:          # (else: aborted at the deadline, counted there)
+                    self.health.failed(e)
+                return
             self.health.ok()
+            got, nbytes, ended = [], 0, False
             for j, h in enumerate(part):
                 vals = values[j * nc:(j + 1) * nc]
                 if any(v is None for v in vals):
                     ended = True
                     break
                 try:
-                    found.append([codec.decode(v, h, k) for k, v in enumerate(vals)])
+                    got.append([codec.decode(v, h, k) for k, v in enumerate(vals)])
                 except Rejected as e:
                     self.c.add("rejected")
                     self.health.warn_once("rejected", "L2 %s: a value was rejected (%s); "
@@ -126,13 +181,28 @@ class RedisL2:
                     ended = True
                     break
                 nbytes += sum(len(v) for v in vals)
+            with lk.lock:
+                if lk.taken:
+                    return
+                lk.found.extend(got)
+                self.c.add("read_bytes", nbytes)
+            if ended:
+                lk.ended = True
+                return
             i += len(part)
             n = self._batch_blocks
-        if ended or i >= len(chain):
-            self.c.add("misses", len(chain) - len(found))
-        self.c.add("hits", len(found))
-        self.c.add("read_bytes", nbytes)
-        return found
+        lk.ended = True
+
+    def _abort(self, lk: "Lookup") -> None:
+        """``lk`` was taken before it ended: close the connection it is
+        reading from (if it is in flight), so the fetch thread is free."""
+        with self._fcv:
+            if self._inflight is not lk:
+                return
+        try:
+            self._r.connection_pool.disconnect(inuse_connections=True)
+        except Exception:                 # already closed
+            pass
 
     # ------------------------------------------------------------- writes
     def accepting(self, nbytes: int = 0) -> bool:
@@ -286,12 +356,22 @@ class RedisL2:
             return
         if flush_s > 0 and self.health.usable():
             self.flush(flush_s)
+        with self._fcv:
+            self._closing = True
+            for lk in self._fq:
+                lk.done.set()
+            self._fq.clear()
+            self._fcv.notify_all()
         with self._cv:
             self._closing = True
             self._q.clear()
             self._qbytes = 0
             self._cv.notify_all()
         self._thread.join(max(1.0, flush_s))
+        if self._fetcher is not None:
+            if self._inflight is not None:
+                self._abort(self._inflight)
+            self._fetcher.join(1.0)
         self._closed = True
         for c in (self._r, self._w):
             try:
@@ -299,3 +379,59 @@ class RedisL2:
             except Exception:
                 pass
         self.flush_counters()
+
+
+class Lookup:
+    """One lookup of :meth:`RedisL2.start`: ``found`` grows batch by batch
+    on the fetch thread until the run ends, a fault, or ``deadline``
+    (``time.monotonic()``); :meth:`take` hands the caller what arrived and
+    stops the lookup.
+
+    INVARIANT: ``found`` is always a prefix of the run in Redis (whole
+    blocks, checked, from the first wanted): taking it early only makes the
+    prefix shorter.
+    """
+
+    def __init__(self, store: RedisL2, chain: list, deadline: float) -> None:
+        self.store = store
+        self.chain = chain
+        self.deadline = deadline
+        self.found: list = []
+        self.ended = False              # the run is complete (a miss or the chain's end)
+        self.taken = False
+        self.lock = threading.Lock()
+        self.done = threading.Event()   # the fetch thread is finished with it
+
+    def ready(self) -> bool:
+        """Finished, or its deadline has passed: :meth:`take` waits no more."""
+        return self.done.is_set() or time.monotonic() >= self.deadline
+
+    def wait(self) -> list:
+        """:meth:`take` once ready (blocks the calling thread up to the deadline)."""
+        self.done.wait(max(0.0, self.deadline - time.monotonic()))
+        return self.take()
+
+    def take(self) -> list:
+        """The blocks that arrived (a prefix of the run; [] after a fault).
+        The first call ends the lookup (a lookup still reading is aborted
+        and counted as a timeout) and counts its hits and misses."""
+        with self.lock:
+            if self.taken:
+                return list(self.found)
+            self.taken = True
+            found = list(self.found)
+        s, c = self.store, self.store.c
+        if not self.done.is_set() and self.chain and not self.ended:
+            s._abort(self)
+            if time.monotonic() >= self.deadline:
+                # slow: down (as a timeout) unless part of it arrived, when
+                # the lookup was merely too large for its deadline
+                if found:
+                    c.add("timeouts")
+                else:
+                    s.health.failed(TimeoutError(f"no answer within the lookup's "
+                                                 f"{s.timeout:g} s"))
+        if self.ended:
+            c.add("misses", len(self.chain) - len(found))
+        c.add("hits", len(found))
+        return found

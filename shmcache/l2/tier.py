@@ -1,8 +1,10 @@
 """The L2 of one pool manager: what ``shmcache.mlx_lm`` and the server call.
 
-:meth:`L2Tier.load` runs after an L1 lookup: it asks Redis for the chain's
-next blocks, writes what it finds into fresh pool blocks
-(``mgr.import_blocks``), appends them to the table and publishes them in L1.
+:meth:`L2Tier.start` runs after an L1 lookup: it asks Redis for the chain's
+next blocks on the store's fetch thread (the whole lookup bounded by
+``timeout``); :meth:`L2Tier.install`, on the caller's thread, writes what
+arrived into fresh pool blocks (``mgr.import_blocks``), appends them to the
+table and publishes them in L1. :meth:`L2Tier.load` is both, waiting.
 :meth:`L2Tier.write_back` runs after a publish: it copies the blocks
 (``mgr.export_blocks``) and queues them for the writer thread. This
 process's counters reach the pool-wide ones (``layout.C_L2``, what
@@ -59,8 +61,8 @@ class L2Tier:
         url: the Redis URL.
         model_id: the model's identity (``identity.model_identity``).
         secret: the L2 secret (bytes); pools share entries only under one.
-        timeout, retry_s, ttl, queue_bytes, write_timeout: as
-            :class:`~shmcache.l2.store.RedisL2`.
+        timeout: seconds a lookup has, as a whole; retry_s, ttl,
+            queue_bytes, write_timeout: as :class:`~shmcache.l2.store.RedisL2`.
         max_value_bytes: as :class:`~shmcache.l2.codec.Codec`.
     Raises:
         ValueError: a bad URL or an empty secret. RuntimeError: no redis-py.
@@ -83,25 +85,37 @@ class L2Tier:
         """Chain hashes of the first ``n_blocks`` blocks (``Codec.chain``)."""
         return self.codec.chain(tokens, n_blocks, extra_keys, prev)
 
+    def start(self, first: int, chain: Sequence[bytes]):
+        """Start looking up the blocks after an L1 hit of ``first`` blocks
+        (``chain``: the chain hashes from block 0) on the fetch thread;
+        the lookup ends by ``timeout`` from now (``RedisL2.start``).
+        Returns the :class:`~shmcache.l2.store.Lookup` for :meth:`install`."""
+        return self.store.start(list(chain[first:]))
+
     def load(self, table, tokens, extra_keys, first: int, chain: Sequence[bytes]) -> int:
-        """Load the blocks after an L1 hit from L2 into the pool.
+        """Load the blocks after an L1 hit from L2 into the pool, waiting for
+        them up to the lookup's deadline: :meth:`start`, then :meth:`install`."""
+        lk = self.start(first, chain)
+        return self.install(table, tokens, extra_keys, first, lk.wait())
+
+    def install(self, table, tokens, extra_keys, first: int, found) -> int:
+        """Write blocks that arrived from L2 into the pool and publish them.
+
+        Runs on the thread that owns ``table`` (the pool is never touched
+        by the fetch thread).
 
         Args:
             table: the sequence's block table, holding the L1 hit (``first``
                 whole blocks) and nothing more.
-            tokens: the sequence's tokens (at least ``len(chain)`` blocks).
+            tokens: the sequence's tokens (at least ``first + len(found)`` blocks).
             extra_keys: the tenant salt.
             first: blocks already in ``table``.
-            chain: the chain hashes of the blocks wanted (from block 0).
+            found: the payloads that arrived (``Lookup.take``), the blocks
+                after ``first``, in order.
         Returns:
             How many blocks were appended to ``table`` and published in L1.
-            0 for an L2 fault or a full pool: never raises for either.
+            0 for a full pool or a failed write: never raises for either.
         """
-        want = list(chain[first:])
-        if not want:
-            return 0
-        t0 = time.perf_counter()
-        found = self.store.lookup(want)
         if not found:
             return 0
         t1 = time.perf_counter()
@@ -128,9 +142,9 @@ class L2Tier:
         mgr.cache_full_blocks(table.block_ids[:n], list(tokens[:n * self.bs]), first, n,
                               extra_keys)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("L2: %d blocks after %d from L1: lookup %.1f ms, K/V into the pool %.1f "
-                      "ms, into the table and published %.1f ms", len(found), first,
-                      (t1 - t0) * 1e3, (t2 - t1) * 1e3, (time.perf_counter() - t2) * 1e3)
+            log.debug("L2: %d blocks after %d from L1: K/V into the pool %.1f ms, into the "
+                      "table and published %.1f ms", len(found), first, (t2 - t1) * 1e3,
+                      (time.perf_counter() - t2) * 1e3)
         return len(found)
 
     def write_back(self, ids: Sequence[int], chain: Sequence[bytes]) -> None:

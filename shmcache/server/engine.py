@@ -23,6 +23,14 @@ prefill:
 * fork the table for samples 1..n-1 and add every sample as a row of the
   running batch (``PoolBatchKVCache.extend``).
 
+Working buffers: each row's K/V also lives in this process, in mlx-lm's
+``BatchKVCache`` (every row as long as the longest), so a worker's memory
+grows with rows x context whatever the pool shares. With
+``max_working_bytes``, the head of the queue starts only when the batch's
+peak with it (:meth:`Engine.working_need`) fits; it waits for running rows
+to finish, and one that could never fit, even alone, fails with a 400 that
+says so.
+
 INVARIANT: a step spends at most ``prefill_step`` prompt tokens on prefill
 before its decode step, so the running rows get a token every step
 whatever is being admitted (chunked prefill mixed with decode, as vLLM's
@@ -38,11 +46,13 @@ K/V through and publishes blocks as they fill.
 
 With an L2 on the manager (``mgr.l2``: ``shmcache serve --l2``, the
 worker attaches with ``l2=``), admission asks it for the chain's next
-blocks after the L1 hit (``PoolSequence.acquire``): what it finds is loaded
-into new pool blocks and published in L1 before the prefill, which then
-starts on the block boundary after it, as after an L1 hit; every block this
-worker publishes is queued for L2 (``PoolSequence.publish``; a background
-thread writes it).
+blocks after the L1 hit (``PoolSequence.begin``) on the L2's fetch thread,
+and decode steps go on while it waits: the prefill starts when the lookup
+is done or its deadline (``--l2-timeout``, for the lookup as a whole) has
+passed. What arrived is loaded into new pool blocks and published in L1
+before the prefill, which then starts on the block boundary after it, as
+after an L1 hit; the rest is computed. Every block this worker publishes is
+queued for L2 (``PoolSequence.publish``; a background thread writes it).
 
 Out of blocks, the newest request is preempted (its tables deleted, its
 published blocks stay cached) and re-run from its prompt later; the
@@ -59,7 +69,9 @@ from typing import Callable, Optional
 import mlx.core as mx
 
 from ..errors import OutOfBlocksError
-from ..mlx_lm import PoolBatchKVCache, PoolKVCache, PoolSequence, load_prefix, make_pool_cache
+from ..layout import ITEMSIZE
+from ..mlx_lm import (PendingSequence, PoolBatchKVCache, PoolKVCache, PoolSequence, load_prefix,
+                      make_pool_cache)
 from .sampling import RowSampler
 from .wire import Gen
 
@@ -88,11 +100,25 @@ class _Req:
 @dataclass
 class _Prefill:
     """A request whose prompt is being computed: its sequence holds the
-    cached prefix and every chunk computed so far (``seq.stored``)."""
+    cached prefix and every chunk computed so far (``seq.stored``). While
+    ``pending`` is set, its L2 lookup is in flight: ``seq`` and ``caches``
+    are None until it is ready (:meth:`Engine._finish_start`)."""
     req: _Req
-    seq: PoolSequence
-    caches: list                    # one PoolKVCache per layer: the working buffers
+    seq: Optional[PoolSequence]
+    caches: Optional[list]          # one PoolKVCache per layer: the working buffers
     cached: int                     # prompt tokens found in the pool
+    pending: Optional[PendingSequence] = None
+
+    def release(self) -> None:
+        """Give back what it holds (a failed or cancelled prefill)."""
+        if self.pending is not None:
+            self.pending.release()
+            self.pending = None
+        elif self.seq is not None:
+            self.seq.release()
+
+
+KV_STEP = 256                       # mlx-lm's KVCache grows its buffers in steps of this
 
 
 class Engine:
@@ -109,10 +135,13 @@ class Engine:
         max_batch: the most samples decoded together.
         prefill_step: the most prompt tokens computed per step (rounded
             down to a multiple of the block size, at least one block).
+        max_working_bytes: the most bytes of working K/V buffers (this
+            process's own MLX arrays, whatever the pool shares) the batch may
+            reach (None: no limit). See :meth:`working_need`.
     """
 
     def __init__(self, mgr, model, eos_ids, emit, worker_id: int = 0, max_batch: int = 32,
-                 prefill_step: int = 512) -> None:
+                 prefill_step: int = 512, max_working_bytes: Optional[int] = None) -> None:
         self.mgr = mgr
         self.model = model
         self.eos = set(eos_ids)
@@ -121,6 +150,11 @@ class Engine:
         self.max_batch = max_batch
         self.bs = mgr.block_size
         self.prefill_step = max(self.bs, prefill_step // self.bs * self.bs)
+        self.max_working_bytes = max_working_bytes
+        lay = mgr.layout
+        # one token's K and V in every layer, as the working buffers hold them
+        self.token_bytes = lay.num_layers * 2 * lay.num_kv_heads * lay.head_dim * \
+            ITEMSIZE[lay.dtype]
         self.waiting: deque = deque()
         self.prefilling: Optional[_Prefill] = None
         self.rows: list = []
@@ -145,15 +179,43 @@ class Engine:
         pf = self.prefilling
         if pf is not None and pf.req is req:
             self.prefilling = None
-            pf.seq.release()
+            pf.release()
         self._drop_rows(req)
 
     @property
     def busy(self) -> bool:
         return bool(self.rows or self.waiting or self.prefilling)
 
+    @property
+    def waiting_on_l2(self) -> bool:
+        """Nothing to compute until an L2 lookup is ready (the caller may sleep a little)."""
+        pf = self.prefilling
+        return not self.rows and pf is not None and pf.pending is not None and \
+            not pf.pending.ready()
+
     def working_bytes(self) -> int:
-        return sum(c.nbytes for c in self.batch) if self.batch else 0
+        """Bytes of working K/V buffers now: the batch's and the prefill's."""
+        n = sum(c.nbytes for c in self.batch) if self.batch else 0
+        pf = self.prefilling
+        if pf is not None and pf.caches:
+            n += sum(c.nbytes for c in pf.caches)
+        return n
+
+    def working_need(self, req: "_Req", alone: bool = False) -> int:
+        """Working-buffer bytes of the batch at its peak if ``req``'s samples join it.
+
+        Every row of mlx-lm's ``BatchKVCache`` spans the batch's longest
+        row (left padding), and a row grows to its prompt plus
+        ``max_tokens``; so the peak is at most (rows) x (the longest final
+        length, rounded up to mlx-lm's 256-token steps) x ``token_bytes``.
+        ``alone``: ``req``'s samples in a batch of their own.
+        """
+        def end(g) -> int:
+            return len(g.prompt) + g.params.max_tokens
+        rows = [] if alone else self.rows
+        longest = max([end(req.gen)] + [end(r.req.gen) for r in rows])
+        longest = -(-longest // KV_STEP) * KV_STEP
+        return (len(rows) + req.gen.params.n) * longest * self.token_bytes
 
     def step(self) -> None:
         """Up to ``prefill_step`` prompt tokens of prefill, then one decode step."""
@@ -163,7 +225,7 @@ class Engine:
 
     def close(self) -> None:
         if self.prefilling is not None:
-            self.prefilling.seq.release()
+            self.prefilling.release()
             self.prefilling = None
         for req in list(self._reqs.values()):
             self._drop_rows(req)
@@ -178,6 +240,12 @@ class Engine:
                 if not self.waiting or \
                         len(self.rows) + self.waiting[0].gen.params.n > self.max_batch:
                     return
+                if self.max_working_bytes and not self._fits(self.waiting[0]):
+                    if self.rows:
+                        return           # waits for running rows to finish
+                    req = self.waiting.popleft()
+                    self._refuse(req)
+                    continue
                 req = self.waiting.popleft()
                 try:
                     self.prefilling = self._start(req)
@@ -185,11 +253,23 @@ class Engine:
                     self._fail(req, e)
                     continue
             pf = self.prefilling
+            if pf.pending is not None:
+                # its L2 lookup is in flight: decode goes on meanwhile; the
+                # prefill starts when it is done or its deadline has passed
+                if not pf.pending.ready():
+                    return
+                try:
+                    self._finish_start(pf)
+                except Exception as e:
+                    self.prefilling = None
+                    pf.release()
+                    self._fail(pf.req, e)
+                    continue
             try:
                 used, logits = self._prefill_chunk(pf, budget)
             except Exception as e:
                 self.prefilling = None
-                pf.seq.release()         # a failed prefill holds nothing
+                pf.release()             # a failed prefill holds nothing
                 if isinstance(e, OutOfBlocksError):
                     # others hold the blocks: try again after the next step
                     # (from its prompt: the published chunks stay cached)
@@ -208,6 +288,20 @@ class Engine:
             except Exception as e:
                 self._fail(pf.req, e)
 
+    def _fits(self, req: _Req) -> bool:
+        return self.working_need(req) <= self.max_working_bytes
+
+    def _refuse(self, req: _Req) -> None:
+        """``req`` alone needs more working buffers than this worker may have."""
+        p, need = req.gen.params, self.working_need(req, alone=True)
+        msg = (f"this request needs {need / 2**20:,.0f} MiB of working K/V buffers ({p.n} "
+               f"sample(s) x {len(req.gen.prompt) + p.max_tokens:,} tokens of prompt and "
+               f"max_tokens), more than a worker may use (--max-working-bytes "
+               f"{self.max_working_bytes / 2**20:,.0f} MiB); lower max_tokens, n or the prompt")
+        log.warning("request %d refused: %s", req.gen.id, msg)
+        self._reqs.pop(req.gen.id, None)
+        self.emit("failed", (req.gen.id, msg, 400))
+
     def _fail(self, req: _Req, e: BaseException) -> None:
         """A bug or bad input: fail this request only."""
         log.error("request %d failed: %s: %s", req.gen.id, type(e).__name__, e,
@@ -220,19 +314,31 @@ class Engine:
         return f"w{self.wid}.r{req.gen.id}.a{req.attempt}.s{sample}"
 
     def _start(self, req: _Req) -> _Prefill:
-        """Take the longest cached prefix (L1, then L2: never raises for an
-        L2 fault) and load it into new working buffers."""
+        """Take the longest cached prefix in L1 and start its L2 lookup
+        (``PoolSequence.begin``: never raises for an L2 fault); with no
+        lookup in flight, load it into new working buffers now."""
         p = req.gen.params
         extra = (p.salt,) if p.salt else None
-        seq = PoolSequence.acquire(self.mgr, self._tables(req, 0), req.gen.prompt[:-1], extra)
-        try:
-            caches = make_pool_cache(self.model, seq)
-            load_prefix(caches)
-        except BaseException:
-            seq.release()
-            raise
-        self.emit("progress", (req.gen.id, seq.stored))
-        return _Prefill(req, seq, caches, seq.stored)
+        pending = PoolSequence.begin(self.mgr, self._tables(req, 0), req.gen.prompt[:-1], extra)
+        pf = _Prefill(req, None, None, 0, pending)
+        if pending.ready():
+            try:
+                self._finish_start(pf)
+            except BaseException:
+                pf.release()
+                raise
+        return pf
+
+    def _finish_start(self, pf: _Prefill) -> None:
+        """The L2 lookup is ready: load what it delivered into the pool
+        (published in L1), then the whole prefix into new working buffers."""
+        seq = pf.pending.finish()
+        pf.pending = None
+        pf.seq = seq
+        caches = make_pool_cache(self.model, seq)
+        load_prefix(caches)
+        pf.caches, pf.cached = caches, seq.stored
+        self.emit("progress", (pf.req.gen.id, seq.stored))
 
     def _prefill_chunk(self, pf: _Prefill, budget: int):
         """Compute the next chunk of ``pf``'s prompt within ``budget`` tokens.

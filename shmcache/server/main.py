@@ -160,6 +160,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-body-bytes", metavar="N", type=_byte_count, default=8 << 20,
                    help="the largest request body, in bytes (8M, 512k; default: 8M); a larger "
                         "one gets a 413")
+    g.add_argument("--max-working-bytes", metavar="N", type=_byte_count, default=None,
+                   help="each worker's limit on its working K/V buffers, which grow with "
+                        "batch rows x context whatever the pool shares (4G, 512M; default: "
+                        "half of this machine's memory divided among the workers); a request "
+                        "that would pass it waits, one that never fits gets a 400")
     g.add_argument("--max-prompt-tokens", metavar="N", type=_positive, default=None,
                    help="refuse (400) prompts longer than this (default: the model's context "
                         "length only)")
@@ -184,8 +189,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "$SHMCACHE_CLUSTER_SECRET; without either, the pool's own secret: this "
                         "pool shares nothing with others)")
     g.add_argument("--l2-timeout", metavar="S", type=_seconds, default=None,
-                   help="seconds Redis has to answer each step of a lookup before the request "
-                        "goes on without it (default: 0.05)")
+                   help="seconds an L2 lookup has, as a whole, before the request goes on "
+                        "with what arrived (default: 0.05); the worker's other requests keep "
+                        "generating meanwhile")
     g.add_argument("--l2-retry", metavar="S", type=_seconds, default=None,
                    help="during an outage, seconds between attempts to reach Redis "
                         "(default: 2)")
@@ -309,6 +315,7 @@ def _run(args, sock) -> int:
                 backend.tokenizer._tokenizer.chat_template = template
                 backend.tokenizer._chat_template = None
             backend.stall_s = getattr(args, "worker_timeout", 10.0)
+            backend.max_working_bytes = getattr(args, "max_working_bytes", None)
             backend.max_reruns = max(0, getattr(args, "max_reruns", 2))
             for name, why in reclaim_dead_pools():
                 log.info("removed the dead pool %s (%s)", name, why)

@@ -61,6 +61,8 @@ def main(argv=None) -> int:
     ap.add_argument("--id", type=int, default=0)
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--prefill-step", type=int, default=512)
+    ap.add_argument("--max-working-bytes", type=int, default=None,
+                    help="the most bytes of working K/V buffers (Engine's max_working_bytes)")
     ap.add_argument("--l2", default=None, help="the L2's Redis URL")
     ap.add_argument("--l2-model-id", default=None, help="the model's identity in L2 keys")
     ap.add_argument("--l2-timeout", type=float, default=None)
@@ -105,7 +107,7 @@ def main(argv=None) -> int:
             writer.send(wire.Failed(*payload))
 
     engine = Engine(mgr, model, tokenizer.eos_token_ids, emit, args.id, args.max_batch,
-                    args.prefill_step)
+                    args.prefill_step, args.max_working_bytes)
     q: queue.Queue = queue.Queue()
     threading.Thread(target=_reader, args=(q,), daemon=True).start()
     writer.send(wire.Ready(args.id, os.getpid()))
@@ -116,7 +118,12 @@ def main(argv=None) -> int:
     try:
         while True:
             try:
-                msg = q.get(timeout=0.5) if not engine.busy else q.get_nowait()
+                if not engine.busy:
+                    msg = q.get(timeout=0.5)
+                elif engine.waiting_on_l2:         # an L2 lookup in flight, nothing to decode
+                    msg = q.get(timeout=0.002)
+                else:
+                    msg = q.get_nowait()
             except queue.Empty:
                 msg = False
             while msg is not False:

@@ -140,6 +140,18 @@ def blas_threads_per_worker(workers: int) -> int:
         cpus = os.cpu_count() or 1
     return max(1, cpus // max(1, workers))
 
+
+MIN_WORKING_BYTES = 256 << 20
+
+
+def default_working_bytes(workers: int) -> int:
+    """A worker's default ``--max-working-bytes``: half of this machine's
+    memory divided among ``workers`` (the other half is for the weights, the
+    pool, the server and everything else), at least 256 MiB."""
+    import psutil
+    return max(MIN_WORKING_BYTES, psutil.virtual_memory().total // 2 // max(1, workers))
+
+
 class WorkerProc:
     """One worker process: its pipes, its requests in flight, its reports."""
 
@@ -171,6 +183,11 @@ class WorkerLifecycle:
     max_reruns: int = DEFAULT_MAX_RERUNS
     startup_cancelled: Callable[[], bool] = staticmethod(lambda: False)
     context_length: Optional[int] = None      # the model's, from its config (None: unknown)
+    max_working_bytes: Optional[int] = None   # per worker (None: default_working_bytes)
+
+    def working_bytes_limit(self) -> int:
+        """Each worker's limit on working K/V buffer bytes (``--max-working-bytes``)."""
+        return self.max_working_bytes or default_working_bytes(self.n_workers)
 
     # ------------------------------------------------------------ lifecycle
     def prepare(self) -> None:
@@ -276,7 +293,8 @@ class WorkerLifecycle:
         w.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "shmcache.server.worker", "--pool", self.pool_name,
             "--model", str(self.path), "--id", str(w.idx), "--max-batch", str(self.max_batch),
-            "--prefill-step", str(self.prefill_step), *extra,
+            "--prefill-step", str(self.prefill_step),
+            "--max-working-bytes", str(self.working_bytes_limit()), *extra,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
             start_new_session=True)          # Ctrl-C reaches the server, which stops them
         w.reader = asyncio.create_task(self._read(w, w.proc))

@@ -14,7 +14,7 @@ SEED_STAMP := $(SEED_VENV)/.installed
 # (its benefit demos return their figures, which pytest warns about)
 SEED_PYTEST := -p no:cacheprovider -W ignore::pytest.PytestReturnNotNoneWarning
 
-.PHONY: setup test run bench clean seed-env seed-test
+.PHONY: setup lint mypy test run bench clean seed-env seed-test
 
 setup: $(STAMP)
 	@# the default model's weights: SmolLM2-135M-Instruct as a GGUF file (93 MB, Apache-2.0);
@@ -61,7 +61,15 @@ seed-test: seed-env
 	PYTHONPATH=$(CURDIR) $(SEED_VENV)/bin/python -m pytest -q -p no:cacheprovider \
 		tests/test_seed_reuse.py tests/test_seed_consumer.py
 
-test: setup seed-test
+# ruff: the bug-catching rules of pyproject.toml's [tool.ruff] (no formatter)
+lint: setup
+	$(BIN)/ruff check .
+
+# mypy over the modules [tool.mypy] lists (CONTRIBUTING.md: what is left out and why)
+mypy: setup
+	$(BIN)/mypy
+
+test: setup lint mypy seed-test
 	@# a real redis-server for the L2 tests (tests/_redis.py starts and stops its own,
 	@# on a free port); without one they are skipped, with the reason in the summary
 	@if ! command -v redis-server >/dev/null 2>&1 && [ ! -x /usr/bin/redis-server ]; then \

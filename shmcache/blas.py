@@ -132,7 +132,7 @@ def use_fast_blas(threads: int | None = None) -> BlasInfo:
         _state.detail = f"disabled by SHMCACHE_BLAS={setting}"
         return info()
     explicit = threads is not None
-    n = int(threads) if explicit else _default_threads()
+    n = int(threads) if threads is not None else _default_threads()
     if n < 1:
         raise ValueError(f"threads must be >= 1, not {threads!r}")
     if _state.lib is not None:
@@ -219,11 +219,11 @@ def info() -> BlasInfo:
     if path is None:
         return BlasInfo(None, "unknown", None, False, bound, detail or "no cblas_sgemm found")
     try:
-        lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        loaded: ctypes.CDLL | None = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
     except OSError:
-        lib = None                     # not loaded (yet): the mlx-cpu reference
-    name = classify(path, lib)
-    threads = get_threads(lib) if lib is not None else None
+        loaded = None                  # not loaded (yet): the mlx-cpu reference
+    name = classify(path, loaded)
+    threads = get_threads(loaded) if loaded is not None else None
     if threads is None and name == "reference":
         threads = 1
     return BlasInfo(os.path.normpath(path), name, threads, name in OPTIMIZED, bound, detail)

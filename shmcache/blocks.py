@@ -163,6 +163,7 @@ class FreeKVCacheBlockQueue:
         if self.fake_head.next_free_block is self.fake_tail:
             raise ValueError("No free blocks available")
         block = self.fake_head.next_free_block
+        assert block is not None                 # (the sentinels are always linked)
         self.remove(block)
         return block
 
@@ -182,6 +183,7 @@ class FreeKVCacheBlockQueue:
 
     def append(self, block: CacheBlock) -> None:
         last = self.fake_tail.prev_free_block
+        assert last is not None                  # (the sentinels are always linked)
         last.next_free_block = block
         block.prev_free_block = last
         block.next_free_block = self.fake_tail

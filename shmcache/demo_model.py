@@ -35,6 +35,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 __all__ = ["build_model_dir", "ensure_demo_model", "demo_model_path", "ARCHS", "SPECIAL_TOKENS",
            "DEMO_VERSION"]
@@ -140,7 +141,7 @@ def _write_tokenizer(path: Path, max_len: int) -> int:
 def _config(arch: str, vocab_size: int, dtype: str, overrides: dict) -> dict:
     arch_name = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM"}[arch]
-    cfg = {
+    cfg: dict[str, Any] = {
         "model_type": arch, "architectures": [arch_name],
         "hidden_size": HIDDEN_SIZE, "num_hidden_layers": NUM_LAYERS,
         "num_attention_heads": NUM_HEADS, "num_key_value_heads": NUM_KV_HEADS,

@@ -89,7 +89,7 @@ class SharedFreeQueue:
     def ids(self, limit: int | None = None) -> list:
         p = self.p
         nxt = p.b_next
-        out = []
+        out: list = []
         b = nxt[p.HEAD]
         most = p.layout.max_blocks - 1         # every block but the null block
         cap = most if limit is None else min(limit, most)

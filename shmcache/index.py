@@ -77,7 +77,7 @@ class OpenIndex:
     def find_all(self, key, home: int) -> list:
         s, m, lim = self.slots, self.mask, self.limit
         i = home & m
-        out = []
+        out: list = []
         for _ in range(m + 1):
             e = s[i]
             if e < 0:
@@ -176,7 +176,7 @@ class PrefixIndex:
         slots, mask = ix.slots, ix.mask
         raw, isz, boff = p.raw, self._isz, self._boff
         n = p.layout.max_blocks
-        found = []
+        found: list = []
         for h in hashes:
             i = int.from_bytes(h[:8], "little") & mask
             for _ in range(mask + 1):

@@ -271,7 +271,7 @@ class PoolView:
                                    "problem": self.lock_word_problem(watch=1.0)}
             d["l2"] = self.l2_counters()
             d["layout"] = {k: getattr(lay, k) for k in lay.__dataclass_fields__}
-            d["layout"]["block_bytes"] = block_bytes(lay)
+            d["layout"]["block_bytes"] = lay.block_bytes
             d["holders"] = self.holdings()
         return d
 
@@ -374,10 +374,6 @@ class _Snapshot:
 
     def corrupt(self, what: str) -> CorruptPoolError:
         return CorruptPoolError(f"pool {self.name!r} is corrupt: {what}")
-
-
-def block_bytes(lay: L.Layout) -> int:
-    return lay.num_layers * 2 * lay.num_kv_heads * lay.block_size * lay.head_dim * L.ITEMSIZE[lay.dtype]
 
 
 def removal_verdict(view: PoolView):

@@ -20,8 +20,11 @@ import os
 import mlx.core as mx
 import numpy as np
 
-_MX = {"float16": mx.float16, "float32": mx.float32, "bfloat16": mx.uint16}   # storage
-_DT = {**_MX, "bfloat16": mx.bfloat16}                                          # as read
+from .layout import KV_DTYPES
+
+# layout.KV_DTYPES as MLX dtypes: as stored (bfloat16 as its raw uint16 bits) and as read
+_MX = {n: getattr(mx, d.np_dtype.name) for n, d in KV_DTYPES.items()}
+_DT = {n: getattr(mx, n) for n in KV_DTYPES}
 
 
 def _load_native():

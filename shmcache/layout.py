@@ -93,9 +93,44 @@ MAX_BLOCKS_LIMIT = 2**31 - 3  # block ids, HEAD and TAIL are int32
 MAX_TABLES_LIMIT = 2**24
 MAX_REFS_LIMIT = 2**31 - 1    # chunk ids are int32, -1 is "none"
 RID_BYTES = 64
-DTYPES = {"float16": 1, "bfloat16": 2, "float32": 3}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+@dataclass(frozen=True)
+class KVDtype:
+    """One element type the KV arena can hold.
+
+    name: what a pool's ``dtype`` parameter says (an MLX dtype's name);
+    code: the header's ``dtype_code`` (never 0, so a zeroed header names none);
+    itemsize: bytes per element;
+    storage: the numpy dtype the arena is viewed as (bfloat16, which numpy
+    lacks, as its raw 16 bits: ``<u2``); MLX uses the same storage type.
+    """
+    name: str
+    code: int
+    itemsize: int
+    storage: str
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return np.dtype(self.storage)
+
+
+# The one table of KV element types: every other module derives its view
+# (MLX dtypes, numpy dtypes, sizes, header codes) from it.
+KV_DTYPES = {d.name: d for d in (KVDtype("float16", 1, 2, "<f2"),
+                                 KVDtype("bfloat16", 2, 2, "<u2"),
+                                 KVDtype("float32", 3, 4, "<f4"))}
+DTYPES = {d.name: d.code for d in KV_DTYPES.values()}          # name -> header code
+DTYPE_NAMES = {d.code: d.name for d in KV_DTYPES.values()}     # header code -> name
+ITEMSIZE = {d.name: d.itemsize for d in KV_DTYPES.values()}    # name -> bytes
+
+
+def kv_block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                   dtype: str) -> int:
+    """Bytes of one block's K and V across all layers (the one definition;
+    :attr:`Layout.block_bytes` for a pool)."""
+    return num_layers * 2 * num_kv_heads * block_size * head_dim * KV_DTYPES[dtype].itemsize
+
 
 HEADER_DTYPE = np.dtype([
     ("magic", "S8"),
@@ -301,6 +336,13 @@ class Layout:
         return self.arena_off
 
     @property
+    def block_bytes(self) -> int:
+        """Bytes of one block's K and V across all layers (the arena holds
+        ``max_blocks`` of them)."""
+        return kv_block_bytes(self.num_layers, self.num_kv_heads, self.head_dim,
+                              self.block_size, self.dtype)
+
+    @property
     def arena_shape(self) -> tuple:
         return (self.num_layers, self.max_blocks, 2, self.num_kv_heads,
                 self.block_size, self.head_dim)
@@ -321,8 +363,8 @@ def compute_layout(block_size: int, max_blocks: int, enable_caching: bool,
     tables_off = _align(refs_off + chunks * CHUNK_DTYPE.itemsize)
     tindex_off = _align(tables_off + max_tables * TABLE_DTYPE.itemsize)
     arena_off = _align(tindex_off + table_capacity * 4, 4096)
-    arena_size = (num_layers * 2 * num_kv_heads * max_blocks * block_size
-                  * head_dim * ITEMSIZE[dtype])
+    arena_size = max_blocks * kv_block_bytes(num_layers, num_kv_heads, head_dim, block_size,
+                                             dtype)
     total = _align(arena_off + arena_size, 4096)
     return Layout(block_size, max_blocks, bool(enable_caching), num_layers,
                   num_kv_heads, head_dim, dtype, max_slots, max_tables,

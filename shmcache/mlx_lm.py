@@ -46,6 +46,8 @@ from typing import List, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from . import layout as L
+
 __all__ = ["PoolSequence", "PoolKVCache", "PoolBatchKVCache", "pool_layout", "check_poolable",
            "make_pool_cache", "load_prefix", "NotPoolableError", "PendingSequence"]
 
@@ -56,7 +58,7 @@ class NotPoolableError(ValueError):
     """The model's KV cache cannot live in a shmcache pool."""
 
 
-_DTYPES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
+_DTYPES = {getattr(mx, n): n for n in L.KV_DTYPES}     # MLX dtype -> a pool's dtype name
 
 
 def check_poolable(model) -> None:

@@ -209,7 +209,7 @@ class Pool(SlotOps):
         self.created_at = float(h["created_at"])
         self.seed = bytes(h["seed"])
         if lay.num_layers and arena:
-            np_dtype = {"float16": np.float16, "float32": np.float32, "bfloat16": np.uint16}[lay.dtype]
+            np_dtype = L.KV_DTYPES[lay.dtype].np_dtype
             self.arena = np.frombuffer(mm, np_dtype, int(np.prod(lay.arena_shape)),
                                        lay.arena_off).reshape(lay.arena_shape)
         else:

@@ -32,7 +32,8 @@ def _walk_chunks(p, head: int, k: int, seen: set):
     another) ends the walk; the chunks walked are claimed in ``seen``."""
     nch = p.layout.num_chunks
     kw = p.kw
-    out, c = [], head
+    out: list = []
+    c = head
     for _ in range(k):
         if not 0 <= c < nch or c in seen:
             return out, False
@@ -98,8 +99,8 @@ def reachable_lists(p, problems=None):
 
 def expected_ref_counts(p, owners) -> np.ndarray:
     n = p.layout.max_blocks
-    ids = [o[3] for o in owners if len(o[3])]
-    ids = np.concatenate(ids) if ids else np.zeros(0, np.int32)
+    lists = [o[3] for o in owners if len(o[3])]
+    ids = np.concatenate(lists) if lists else np.zeros(0, np.int32)
     ref = np.bincount(ids, minlength=n).astype(np.int64)
     ref[0] += 1
     return ref
@@ -109,7 +110,8 @@ def _free_chunk_list(p, limit: int):
     """(chunks of the free chunk list, whether it was sound): bounded."""
     nch = p.layout.num_chunks
     kw = p.kw
-    out, seen, c = [], set(), p.c[L.C_FREE_REF]
+    out: list = []
+    seen, c = set(), p.c[L.C_FREE_REF]
     for _ in range(limit + 1):
         if c == -1:
             return out, True
@@ -182,7 +184,8 @@ def check(p) -> list:
         out.append(f"free chunk counter {p.c[L.C_FREE_REFS]} != {len(free)}")
     # free list
     nxt, prv = p.b_next, p.b_prev
-    seen, cur, prev = [], nxt[p.HEAD], p.HEAD
+    seen: list = []
+    cur, prev = nxt[p.HEAD], p.HEAD
     while cur != p.TAIL:
         if cur < 0 or cur >= n or len(seen) > n:
             out.append(f"free list broken after block {prev} (next={cur})")

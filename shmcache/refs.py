@@ -231,7 +231,7 @@ class RefStore(ChunkArea):
         """The words of a table's ids, in table order (the blocks they name
         are not checked: ``block_at``)."""
         n = self.p.t_len[t]
-        out = []
+        out: list = []
         for c in self.table_chain(t):
             out.extend(range(c * CW + 1, c * CW + CW))
         del out[n:]

@@ -16,7 +16,7 @@ import numpy as np
 from .blocks import CacheStats, PoolStats
 from .errors import OutOfBlocksError
 from .freelist import SharedFreeQueue
-from .layout import C_COW, C_EVICTIONS, C_HITS, C_MISSES, C_TOKENS
+from .layout import C_COW, C_EVICTIONS, C_HITS, C_MISSES
 from .views import SharedBlock
 
 

@@ -13,7 +13,7 @@ from .layout import FLAG_NULL
 class SharedBlock(CacheBlock):
     """A ``CacheBlock`` that is a live view of block ``block_id`` of a pool."""
 
-    def __init__(self, mgr, block_id: int) -> None:  # noqa: super not called on purpose
+    def __init__(self, mgr, block_id: int) -> None:  # (super().__init__ not called on purpose)
         self._m = mgr
         self._id = block_id
 

@@ -31,10 +31,8 @@ import time
 
 import pytest
 
-import shmcache
 from shmcache import claims, segment, slots
 from shmcache import layout as L
-from shmcache.errors import CorruptPoolError
 
 from _cli import run
 from conftest import new_name

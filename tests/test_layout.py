@@ -61,6 +61,9 @@ def test_layout_records_its_parameters_and_derived_sizes(params):
     assert lay.num_chunks == L.num_chunks(refs, tables, slots)
     assert lay.arena_shape == (layers, n, 2, heads, bs, dim)
     assert lay.arena_size == int(np.prod(lay.arena_shape)) * L.ITEMSIZE[dtype]
+    # one block's K and V of every layer: the arena's slice at one block index
+    assert lay.block_bytes == layers * 2 * heads * bs * dim * L.ITEMSIZE[dtype]
+    assert lay.arena_size == n * lay.block_bytes
     for cap, least in ((lay.hash_capacity, 2 * n), (lay.table_capacity, 2 * tables)):
         assert cap >= max(least, 16) and cap & (cap - 1) == 0
         assert cap < 2 * max(least, 16)            # the smallest power of two that fits
@@ -117,6 +120,15 @@ def test_dtype_codes_round_trip():
     assert set(L.DTYPES) == set(L.ITEMSIZE)
     assert all(L.DTYPE_NAMES[code] == name for name, code in L.DTYPES.items())
     assert 0 not in L.DTYPE_NAMES                    # a zeroed header names no dtype
+
+
+def test_one_kv_dtype_table_agrees_with_numpy_and_mlx():
+    import mlx.core as mx
+    for name, d in L.KV_DTYPES.items():
+        assert d.name == name and d.np_dtype.itemsize == d.itemsize == L.ITEMSIZE[name]
+        assert getattr(mx, name).size == d.itemsize            # the type a model hands us
+        assert getattr(mx, d.np_dtype.name).size == d.itemsize  # the type it is stored as
+    assert L.KV_DTYPES["bfloat16"].np_dtype == np.dtype("<u2")  # numpy has no bfloat16
 
 
 # ====================================================================== counters

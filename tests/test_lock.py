@@ -191,6 +191,6 @@ def test_finalizer_inside_another_managers_lock_does_not_deadlock(pool_name):
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate()
-        raise AssertionError("the finalizer deadlocked on this thread's own pool lock")
+        raise AssertionError("the finalizer deadlocked on this thread's own pool lock") from None
     assert proc.returncode == 0, err
     assert "done" in out

@@ -11,7 +11,6 @@ import subprocess
 
 import pytest
 
-import shmcache
 from shmcache import layout as L
 from shmcache.errors import CapacityError, OutOfBlocksError
 

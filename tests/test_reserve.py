@@ -16,7 +16,6 @@ import sys
 
 import pytest
 
-import shmcache
 from shmcache import layout as L
 from shmcache import recovery
 from shmcache.lock import ACCELERATED

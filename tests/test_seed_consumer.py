@@ -17,7 +17,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import shmcache
 from shmcache import paged_cache as pc
 
 from _helpers import BS, cached_table, snapshot, toks

@@ -10,11 +10,11 @@ class PoolSampler:
     no lock): peak blocks in use and peak blocks listed by live tables."""
 
     def __init__(self, pool: str) -> None:
-        from shmcache.inspect_pool import PoolView, block_bytes
+        from shmcache.inspect_pool import PoolView
         self.view = PoolView(pool)
         lay = self.view.layout
         self.max_blocks = lay.max_blocks
-        self.block_bytes = block_bytes(lay)
+        self.block_bytes = lay.block_bytes
         self.peak_blocks = self.peak_table_blocks = 0
         self.used = 0.0
 

@@ -41,7 +41,7 @@ def check_url(url: str) -> str:
         if not parts.hostname:
             raise ValueError(f"{redact(url)}: no host")
         try:
-            parts.port
+            parts.port  # noqa: B018  (the property raises ValueError on a bad port)
         except ValueError:
             raise ValueError(f"{redact(url)}: bad port") from None
         db = parts.path.strip("/")

@@ -27,6 +27,8 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
+from ..layout import KV_DTYPES, kv_block_bytes
+
 FORMAT_VERSION = 1
 KEY_PREFIX = b"shmcache:kv1:"
 MAGIC = b"SHMCKV"
@@ -37,8 +39,6 @@ DEFAULT_MAX_VALUE = 4 << 20             # a block larger than this is cut into l
 _HDR = struct.Struct("<6sBB16s16sHHHHQ16s")
 HEADER_BYTES = _HDR.size
 _MAC_OFF = HEADER_BYTES - 16
-
-_NP = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
 
 
 class Rejected(ValueError):
@@ -64,16 +64,18 @@ class KVLayout:
 
     @property
     def np_dtype(self) -> np.dtype:
-        return _NP[self.dtype]
+        return KV_DTYPES[self.dtype].np_dtype
 
     @property
     def layer_bytes(self) -> int:
         """K and V of one layer of one block."""
-        return 2 * self.num_kv_heads * self.block_size * self.head_dim * self.np_dtype.itemsize
+        return kv_block_bytes(1, self.num_kv_heads, self.head_dim, self.block_size, self.dtype)
 
     @property
     def block_bytes(self) -> int:
-        return self.num_layers * self.layer_bytes
+        """K and V of every layer of one block (a pool's ``Layout.block_bytes``)."""
+        return kv_block_bytes(self.num_layers, self.num_kv_heads, self.head_dim,
+                              self.block_size, self.dtype)
 
 
 def fingerprint(layout: KVLayout, chunk_layers: int) -> bytes:

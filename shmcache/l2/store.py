@@ -258,7 +258,8 @@ class RedisL2:
                 self._cv.wait(left)
             if not self._q:
                 return None
-            items, size = [], 0
+            items: list = []
+            size = 0
             while self._q and (not items or size + self._q[0][1].nbytes <= self._batch_bytes):
                 it = self._q.popleft()
                 size += it[1].nbytes

@@ -79,7 +79,7 @@ class _Server(RequestChecker):
         a string the tokenizer cannot encode (a lone surrogate) is a 400."""
         try:
             return await anyio.to_thread.run_sync(make, req)
-        except UnicodeError as e:
+        except (UnicodeEncodeError, UnicodeDecodeError) as e:     # (they have .reason)
             raise APIError(f"Invalid value for '{param}': the text cannot be encoded as "
                            f"UTF-8 ({e.reason}; a lone surrogate such as \\ud800?).",
                            param=param) from None

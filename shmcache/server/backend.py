@@ -230,8 +230,7 @@ class WorkerBackend(WorkerLifecycle):
         used, n_cached, free = blocks["blocks_used"], blocks["blocks_cached"], blocks["blocks_free"]
         held = n - 1 - free
         lay = m.layout
-        per_block = 2 * lay.num_layers * lay.num_kv_heads * lay.head_dim * lay.block_size * (
-            4 if lay.dtype == "float32" else 2)
+        per_block = lay.block_bytes
         c = m._p.c                          # (aligned int64s: never torn)
         out = dict(blocks_total=n - 1, blocks_used=used, blocks_free=free, blocks_cached=n_cached,
                    pool_kv_bytes=held * per_block, lock_holds=int(c[L.C_OPS]),

@@ -419,7 +419,8 @@ def _run(args, sock) -> int:
         log.info("shmcache serve: stopped")
         return 0
     finally:
-        if getattr(backend, "mgr", None) is not None and not getattr(backend, "_started", True):
+        mgr = getattr(backend, "mgr", None)
+        if mgr is not None and not getattr(backend, "_started", True):
             # prepared (the pool exists) but never served: remove it
-            backend.mgr.destroy()
-            backend.mgr = None
+            mgr.destroy()
+            backend.mgr = None  # type: ignore[union-attr]  # (it has one here)

@@ -238,7 +238,8 @@ class ChatMessage(_Lenient):
     tool_call_id: Optional[str] = None
 
     def to_template(self) -> dict:
-        d = {"role": self.role, "content": self.content if self.content is not None else ""}
+        d: dict[str, Any] = {"role": self.role,
+                             "content": self.content if self.content is not None else ""}
         if self.name is not None:
             d["name"] = self.name
         if self.tool_calls:

@@ -27,7 +27,7 @@ logits, before the temperature: what mlx-lm reports) and its
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
@@ -53,7 +53,7 @@ class RowSampler:
         self.params, self.seed, self.sample = params, seed, sample
         p = params
         self.greedy = p.temperature == 0
-        self.sampler = None if self.greedy else make_sampler(
+        self.sampler: Optional[Callable] = None if self.greedy else make_sampler(
             p.temperature, p.top_p, p.min_p, top_k=p.top_k,
             xtc_probability=p.xtc_probability, xtc_threshold=p.xtc_threshold,
             xtc_special_tokens=list(p.xtc_special_tokens))
@@ -71,7 +71,7 @@ class RowSampler:
                                 (p.presence_penalty, p.presence_context_size),
                                 (p.frequency_penalty, p.frequency_context_size)) if v]
         self.context = None if (not sizes or 0 in sizes) else max(sizes)
-        self._pending = None
+        self._pending: Optional[tuple] = None    # (logprob of the token, top) of the last step
 
     def __call__(self, logits: mx.array, prompt: list, generated: list) -> mx.array:
         """The next token (a lazy ``mx.array`` scalar) from the row's logits ``(V,)``.
@@ -101,6 +101,7 @@ class RowSampler:
             # seeded per (request, sample, step): the same tokens on any
             # worker and after any preemption
             mx.random.seed(step_seed(self.seed, self.sample, len(generated)))
+            assert self.sampler is not None             # (not greedy)
             tok = self.sampler(logprobs[None])[0]
         if p.logprobs:
             top = None

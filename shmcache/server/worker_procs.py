@@ -237,8 +237,8 @@ class WorkerLifecycle:
         del model
         ctx = config.get("max_position_embeddings") if isinstance(config, dict) else None
         self.context_length = int(ctx) if isinstance(ctx, int) and ctx > 0 else None
-        per_block = 2 * lay["num_layers"] * lay["num_kv_heads"] * lay["head_dim"] \
-            * self.block_size * (4 if lay["dtype"] == "float32" else 2)
+        per_block = L.kv_block_bytes(lay["num_layers"], lay["num_kv_heads"], lay["head_dim"],
+                                     self.block_size, lay["dtype"])
         max_slots = max(64, 4 * self.n_workers)
         max_tables = max(1024, 4 * self.max_batch * self.n_workers)
 

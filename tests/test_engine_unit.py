@@ -1,0 +1,355 @@
+"""Unit tests of the worker's generation engine (``shmcache.server.engine.Engine``)
+over fakes, as vLLM tests its scheduler: what the engine decides, step by step.
+
+The fakes stand in for the pool and the model IN THIS FILE ONLY:
+
+* ``FakeSequence`` replaces ``PoolSequence`` (and ``FakeCache``/``FakeBatch``
+  the pool-backed K/V caches): it counts blocks against a ``FakeManager``'s
+  free count (a partly filled shared block is copied on a fork's first
+  append) and raises ``OutOfBlocksError`` as the pool does, with no shared
+  memory behind it;
+* ``FakeModel`` returns logits that are a fixed function of the last token
+  (so a re-run computes the same ones) and records every forward pass.
+
+The sampler is the real one (``RowSampler``: mlx-lm's sampler and processors).
+``tests/test_engine.py`` runs the same engine over a real pool and real
+mlx-lm models.
+
+What is checked: preemption takes the newest request first and re-queues it
+at the head; seeded sampling gives the same tokens after a preemption; the
+samples of an ``n > 1`` request fork one prefill; no step computes more than
+``prefill_step`` prompt tokens, and a running row still gets a token every
+step; a cancel during prefill releases the request's blocks and stops it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from shmcache.errors import OutOfBlocksError
+from shmcache.server import engine as engine_mod
+from shmcache.server.engine import Engine
+from shmcache.server.protocol import SamplingParams
+from shmcache.server.wire import Gen
+
+import mlx.core as mx  # noqa: E402  (after shmcache: the fast BLAS)
+import numpy as np  # noqa: E402
+
+BS = 4                  # tokens per block
+VOCAB = 32
+LAYERS = 2
+
+
+def _blocks(tokens: int) -> int:
+    return -(-tokens // BS)
+
+
+# ------------------------------------------------------------------ fakes
+class FakeManager:
+    """The pool's block accounting only: ``free`` blocks, ``cached`` prefixes."""
+
+    def __init__(self, blocks: int) -> None:
+        self.block_size = BS
+        self.total = self.free = blocks
+        self.cached: dict = {}          # tuple(prompt[:-1]) -> tokens found in the pool
+        self.acquired: list = []        # table names acquired (one per prefill start)
+        self.forks: list = []           # (parent name, fork name, parent's stored tokens)
+
+
+class FakeSequence:
+    """One block table: ``stored`` tokens in ``own`` blocks of its own plus
+    ``shared`` full blocks shared with the sequence it was forked from."""
+
+    def __init__(self, mgr: FakeManager, name: str, stored: int = 0, shared: int = 0) -> None:
+        self.mgr, self.name, self.stored, self.shared = mgr, name, stored, shared
+        self.own = 0
+        self.pending = 0
+        self.released = False
+        self.published: list = []
+
+    @classmethod
+    def acquire(cls, mgr, name, tokens, extra=None):
+        hit = mgr.cached.get(tuple(tokens), 0)
+        mgr.acquired.append(name)
+        seq = cls(mgr, name, hit, shared=hit // BS)
+        return seq
+
+    def reserve(self, n: int) -> None:
+        # idempotent until commit, as the pool's (the engine retries a step)
+        need = _blocks(self.stored + n) - self.shared - self.own
+        if need > self.mgr.free:
+            raise OutOfBlocksError(f"need {need} blocks, {self.mgr.free} free")
+        if need > 0:
+            self.mgr.free -= need
+            self.own += need
+        self.pending = n
+
+    def commit(self) -> None:
+        self.stored += self.pending
+        self.pending = 0
+
+    def publish(self, tokens) -> None:
+        self.published.append(len(tokens))
+
+    def fork(self, name: str) -> "FakeSequence":
+        self.mgr.forks.append((self.name, name, self.stored))
+        return FakeSequence(self.mgr, name, self.stored, shared=self.stored // BS)
+
+    def release(self) -> None:
+        if not self.released:
+            self.mgr.free += self.own
+            self.own = 0
+            self.released = True
+
+
+class FakeCache:
+    """One layer's working K/V of one sequence (only lengths matter)."""
+
+    def __init__(self, seq: FakeSequence, layer: int) -> None:
+        self.seq, self.layer = seq, layer
+        self.offset = 0
+        self.keys = self.values = mx.zeros((1, 1, 0, 1))
+
+    def grow(self, n: int) -> None:
+        self.offset += n
+        self.keys = self.values = mx.zeros((1, 1, self.offset, 1))
+
+
+class FakeBatch:
+    """One layer's batched caches: the rows' sequences, in batch order."""
+
+    def __init__(self, seqs: list) -> None:
+        self.seqs = seqs
+
+    @classmethod
+    def merge(cls, caches):
+        return cls([c.seq for c in caches])
+
+    def extend(self, other: "FakeBatch") -> None:
+        self.seqs = self.seqs + other.seqs
+
+    def filter(self, idx) -> None:
+        self.seqs = [self.seqs[i] for i in idx.tolist()]
+
+    @property
+    def nbytes(self) -> int:
+        return 16 * len(self.seqs)
+
+
+def make_pool_cache(model, seq):
+    return [FakeCache(seq, i) for i in range(LAYERS)]
+
+
+def load_prefix(caches) -> None:
+    for c in caches:
+        c.grow(c.seq.stored)
+
+
+class FakeModel:
+    """Logits a fixed pseudo-random function of the last token; records
+    ("prefill", sequence name, tokens) or ("decode", sequence names) per call."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+        self.table = np.random.default_rng(7).normal(size=(VOCAB, VOCAB)).astype(np.float32)
+
+    def __call__(self, x, cache):
+        b, t = x.shape
+        if isinstance(cache[0], FakeBatch):
+            self.calls.append(("decode", [s.name for s in cache[0].seqs]))
+        else:
+            self.calls.append(("prefill", cache[0].seq.name, t))
+            for c in cache:
+                c.grow(t)
+        last = np.array(x)[:, -1]
+        out = np.zeros((b, t, VOCAB), np.float32)
+        out[:, -1, :] = self.table[last]
+        return mx.array(out)
+
+
+class Events:
+    """What the engine emits, by kind."""
+
+    def __init__(self) -> None:
+        self.log: list = []
+
+    def __call__(self, kind, payload) -> None:
+        self.log.append((kind, payload))
+
+    def tokens(self, rid: int, sample: int = 0) -> list:
+        return [t for k, p in self.log if k == "step" for (i, s, t, _, _) in p
+                if i == rid and s == sample]
+
+    def kinds(self, rid: int) -> list:
+        return [k for k, p in self.log
+                if (k == "step" and any(i == rid for i, *_ in p)) or (k != "step" and p[0] == rid)]
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    """Put the fakes where the engine module looks up the pool's classes."""
+    monkeypatch.setattr(engine_mod, "PoolSequence", FakeSequence)
+    monkeypatch.setattr(engine_mod, "PoolKVCache", FakeCache)
+    monkeypatch.setattr(engine_mod, "PoolBatchKVCache", FakeBatch)
+    monkeypatch.setattr(engine_mod, "make_pool_cache", make_pool_cache)
+    monkeypatch.setattr(engine_mod, "load_prefix", load_prefix)
+
+
+def make_engine(blocks: int, **kw):
+    mgr, model, ev = FakeManager(blocks), FakeModel(), Events()
+    return Engine(mgr, model, eos_ids=[], emit=ev, **kw), mgr, model, ev
+
+
+def gen(rid: int, prompt_len: int, max_tokens: int = 40, seed: int = 0, **params) -> Gen:
+    prompt = [(rid * 7 + i) % VOCAB for i in range(prompt_len)]
+    p = SamplingParams(max_tokens=max_tokens, temperature=params.pop("temperature", 0.0),
+                       **params)
+    return Gen(rid, prompt, p, seed)
+
+
+def run_until(eng, cond, limit: int = 200) -> int:
+    for i in range(limit):
+        if cond():
+            return i
+        eng.step()
+    raise AssertionError("the condition never held")
+
+
+# ------------------------------------------------------------------ tests
+@pytest.mark.timeout(60)
+def test_preemption_takes_the_newest_request_and_requeues_it_at_the_head(fakes):
+    # three 5-token prompts (2 blocks each) fill 6 of 7 blocks; every request
+    # needs a 3rd block at its 9th token, and only one is free
+    eng, mgr, model, ev = make_engine(7, max_batch=3)
+    for rid in (1, 2, 3):
+        eng.submit(gen(rid, 5))
+    eng.step()
+    assert [r.req.gen.id for r in eng.rows] == [1, 2, 3] and mgr.free == 1
+
+    preempted = []          # (preempted id, waiting ids right after)
+    seen = 0
+    for _ in range(40):
+        eng.step()
+        if eng.preemptions > seen:
+            seen = eng.preemptions
+            preempted.append((eng.waiting[0].gen.id, [q.gen.id for q in eng.waiting]))
+        if len(preempted) == 2:
+            break
+    # request 2's reserve failed first, yet request 3 (the newest) was
+    # preempted; then request 2, which went ahead of 3 in the queue
+    assert preempted == [(3, [3]), (2, [2, 3])]
+    assert [r.req.gen.id for r in eng.rows] == [1]            # the oldest keeps running
+    req2, req3 = eng._reqs[2], eng._reqs[3]
+    assert (req2.attempt, req2.preemptions) == (1, 1) and req3.preemptions >= 1
+    # a re-run uses new table names (attempt numbers), never a stale table
+    assert "w0.r3.a1.s0" in mgr.acquired
+
+
+@pytest.mark.timeout(60)
+def test_seeded_sampling_is_the_same_after_a_preemption(fakes):
+    sampled = dict(temperature=1.0, seed=1234)
+    # alone, with room: the reference tokens
+    eng, mgr, _, ev = make_engine(100)
+    eng.submit(gen(2, 5, max_tokens=14, **sampled))
+    run_until(eng, lambda: not eng.busy)
+    want = ev.tokens(2)
+    assert len(want) == 14 and len(set(want)) > 3            # really sampled
+
+    # beside an older request in a pool too small for both: preempted, re-run
+    eng, mgr, _, ev = make_engine(5, max_batch=2)
+    eng.submit(gen(1, 5, max_tokens=12))
+    eng.submit(gen(2, 5, max_tokens=14, **sampled))
+    run_until(eng, lambda: not eng.busy)
+    assert eng._reqs == {} and eng.preemptions >= 1
+    runs, cur = [], None                 # request 2's tokens per attempt ("admitted" starts one)
+    for kind, p in ev.log:
+        if kind == "admitted" and p[0] == 2:
+            cur = []
+            runs.append(cur)
+        elif kind == "step":
+            cur_tokens = [t for (i, s, t, _, _) in p if i == 2]
+            if cur_tokens:
+                cur.extend(cur_tokens)
+    assert len(runs) >= 2                               # it ran more than once
+    assert runs[-1] == want                             # the last run: every token, the same
+    for r in runs[:-1]:
+        assert r == want[:len(r)]                       # the cut runs: a prefix of them
+
+
+@pytest.mark.timeout(60)
+def test_n_samples_fork_one_prefill_of_the_prompt(fakes):
+    eng, mgr, model, ev = make_engine(100)
+    g = gen(5, 10, max_tokens=3, n=3, temperature=1.0, seed=9)
+    eng.submit(g)
+    eng.step()
+    # the prompt is computed once, for sample 0's table
+    prefill = [c for c in model.calls if c[0] == "prefill"]
+    assert sum(c[2] for c in prefill) == 10
+    assert {c[1] for c in prefill} == {"w0.r5.a0.s0"} and mgr.acquired == ["w0.r5.a0.s0"]
+    # samples 1 and 2 fork it after the whole prompt is stored
+    assert mgr.forks == [("w0.r5.a0.s0", "w0.r5.a0.s1", 10),
+                         ("w0.r5.a0.s0", "w0.r5.a0.s2", 10)]
+    # every sample got its first token at admission and one per decode step
+    assert [r.sample for r in eng.rows] == [0, 1, 2]
+    assert model.calls[-1] == ("decode", ["w0.r5.a0.s0", "w0.r5.a0.s1", "w0.r5.a0.s2"])
+    assert all(len(ev.tokens(5, s)) == 2 for s in range(3))
+    # the prompt's 3 blocks once, and one copy of the partly filled one per fork
+    assert mgr.total - mgr.free == 3 + 2
+    run_until(eng, lambda: not eng.busy)
+    assert all(len(ev.tokens(5, s)) == 3 for s in range(3)) and mgr.free == mgr.total
+
+
+@pytest.mark.timeout(60)
+def test_a_step_computes_at_most_prefill_step_prompt_tokens_and_still_decodes(fakes):
+    eng, mgr, model, ev = make_engine(100, prefill_step=10)
+    assert eng.prefill_step == 8                     # rounded down to whole blocks
+    assert make_engine(100, prefill_step=2)[0].prefill_step == BS    # at least one
+    eng.submit(gen(1, 5, max_tokens=30))
+    eng.step()
+    assert len(ev.tokens(1)) == 2                   # admitted (first token) and decoded
+
+    mgr.cached[tuple(gen(2, 31).prompt[:-1])] = 12    # a 12-token cache hit
+    eng.submit(gen(3, 3, max_tokens=30))     # a short prompt first: 3 of the 8 tokens
+    eng.submit(gen(2, 31, max_tokens=2))
+    ends, steps = [], 0
+    while not any(k == "admitted" and p[0] == 2 for k, p in ev.log):
+        model.calls.clear()
+        before = len(ev.tokens(1))
+        eng.step()
+        steps += 1
+        chunks = [c[2] for c in model.calls if c[0] == "prefill"]
+        assert sum(chunks) <= 8, chunks                      # the budget
+        assert len(ev.tokens(1)) == before + 1              # the running row still decodes
+        assert model.calls[-1][0] == "decode"
+        pf = eng.prefilling
+        if pf is not None:
+            ends.append(pf.seq.stored)
+    # from the cache-hit boundary, a chunk cut by the budget ends on a block
+    # boundary (step 1 has 5 tokens left: 4 of them); the rest of the prompt
+    # then the last token alone: 12 -> 16 -> 24 -> 30, then 31
+    assert ends == [16, 24] and steps == 3
+    assert [p for k, p in ev.log if k == "progress" and p[0] == 2] == [
+        (2, 12), (2, 16), (2, 24), (2, 30)]
+
+
+@pytest.mark.timeout(60)
+def test_cancel_during_prefill_releases_the_blocks_and_stops(fakes):
+    eng, mgr, model, ev = make_engine(100, prefill_step=4)
+    eng.submit(gen(1, 30))
+    eng.submit(gen(2, 6))
+    eng.step()
+    pf = eng.prefilling
+    assert pf is not None and pf.req.gen.id == 1 and pf.seq.stored == 4
+    assert mgr.free == mgr.total - 1
+    eng.cancel(1)
+    assert eng.prefilling is None and pf.seq.released and mgr.free == mgr.total
+    model.calls.clear()
+    run_until(eng, lambda: not eng.busy)
+    # request 1 computes nothing more and never starts; request 2 runs
+    assert all(c[1] != "w0.r1.a0.s0" for c in model.calls if c[0] == "prefill")
+    assert "admitted" not in ev.kinds(1) and "failed" not in ev.kinds(1)
+    assert len(ev.tokens(2)) == 40 and mgr.free == mgr.total
+    # a cancel of a waiting request removes it from the queue
+    eng.submit(gen(3, 6))
+    eng.cancel(3)
+    assert not eng.busy and eng._reqs == {}

@@ -206,7 +206,7 @@ def build_model_dir(path, arch: str = "llama", *, seed: int = 0, dtype: str = "f
     module = importlib.import_module(f"mlx_lm.models.{arch}")
     # MLX's global generator cannot be saved and restored: draw the caller's
     # next seed from it, and reseed it with that afterwards (still deterministic).
-    resume = mx.random.randint(0, 2**31 - 1, ()).item()
+    resume = int(mx.random.randint(0, 2**31 - 1, ()).item())  # type: ignore[arg-type]
     mx.random.seed(seed)
     try:
         model = module.Model(module.ModelArgs.from_dict(cfg))   # the model's own init

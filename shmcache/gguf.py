@@ -92,7 +92,7 @@ def read_gguf(path) -> tuple:
     if not path.is_file():
         raise UnsupportedModelError(f"no such GGUF file: {path}")
     try:
-        return mx.load(str(path), format="gguf", return_metadata=True)
+        return mx.load(str(path), format="gguf", return_metadata=True)  # type: ignore[return-value]
     except Exception as e:  # noqa: BLE001 - MLX raises RuntimeError/ValueError for bad files
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UnsupportedModelError(f"cannot read {path} as GGUF: {first}") from None

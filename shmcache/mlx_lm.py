@@ -391,8 +391,9 @@ class PoolBatchKVCache(BatchKVCache):
         """How many of this chunk's T positions are real tokens, per row."""
         if T == 1 and self._right_padding is None:
             return [1] * len(self.seqs)
-        lp = self.left_padding.tolist()
-        rp = self._right_padding.tolist() if self._right_padding is not None else [0] * len(lp)
+        lp: List[int] = self.left_padding.tolist()  # type: ignore[assignment]
+        rp: List[int] = (self._right_padding.tolist()  # type: ignore[assignment]
+                         if self._right_padding is not None else [0] * len(lp))
         start = self._idx
         if self._right_padding is not None and self._real_end is not None:
             return [max(0, min(T, e - start) - max(0, l - start))

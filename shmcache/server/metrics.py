@@ -14,6 +14,7 @@ from typing import Callable
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 
 log = logging.getLogger("shmcache.server")
 
@@ -73,6 +74,7 @@ class _BackendCollector:
 
     def _families(self, values: dict):
         for key, name, kind, doc in BACKEND_STATS:
+            fam: Metric
             if kind == "counter":
                 fam = CounterMetricFamily(f"{PREFIX}_{name}", doc)
             else:
@@ -82,13 +84,13 @@ class _BackendCollector:
                     continue
                 fam.add_metric([], float(values[key]))
             yield fam
-        fam = GaugeMetricFamily(f"{PREFIX}_worker_requests_running",
-                                "samples a worker is decoding now (its prefill is done)",
-                                labels=["worker"])
+        per_worker = GaugeMetricFamily(f"{PREFIX}_worker_requests_running",
+                                       "samples a worker is decoding now (its prefill is done)",
+                                       labels=["worker"])
         if values is not None:
             for idx, n in sorted(values.get("worker_running", {}).items()):
-                fam.add_metric([str(idx)], float(n))
-        yield fam
+                per_worker.add_metric([str(idx)], float(n))
+        yield per_worker
 
     def describe(self):
         return list(self._families(None))

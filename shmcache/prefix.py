@@ -99,10 +99,17 @@ class PrefixOps(PoolOps):
         if not self.enable_caching:
             return [], 0
         hashes = self._hashes(token_ids, len(token_ids) // self.block_size, extra_keys)
-        with self._p.lock:
-            self._sync()
-            found = self._lookup_chain(hashes)
-            self._count_lookup(found, hashes)
+        p = self._p
+        fused = getattr(p.native, "lookup", None)
+        # C (_hot.lookup): the hold below in one call that takes the lock
+        # itself; None: nothing changed, and the hold below runs
+        found = (fused(b"".join(hashes), p.slot, self._epoch)
+                 if fused is not None and not p.lock.unusable and not p.lock.held else None)
+        if found is None:
+            with p.lock:
+                self._sync()
+                found = self._lookup_chain(hashes)
+                self._count_lookup(found, hashes)
         self._chains.looked_up(found, hashes)
         return [SharedBlock(self, b) for b in found], len(found) * self.block_size
 

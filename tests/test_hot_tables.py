@@ -402,19 +402,19 @@ def test_the_fused_lookup_and_add_block_take_the_lock_themselves_and_refuse_what
         loose = m.get_new_blocks(1)[0].block_id      # (allocated loose: a reserve's mark)
         hits, misses, free = int(p.c[L.C_HITS]), int(p.c[L.C_MISSES]), int(p.c[L.C_NUM_FREE])
         before = bytes(p.raw)
-        assert nat.lookup(hs, p.slot, m._epoch + 1) is None
-        assert nat.lookup(hs[:-1], p.slot, m._epoch) is None
+        assert nat.lookup(hs, -1.0, p.slot, m._epoch + 1) is None
+        assert nat.lookup(hs[:-1], -1.0, p.slot, m._epoch) is None
         for args in ((t._t, t._rh ^ 1, want[0], 4), (t._t + 1, t._rh, want[0], 4),
                      (t._t, t._rh, 0, 4), (t._t, t._rh, 32, 4), (t._t, t._rh, want[0], 5),
                      (t._t, t._rh, want[0], -1), (t._t, t._rh, loose, 4)):
             assert nat.add_block(*args, 4, 0.0, p.slot, m._epoch) is None, args
         assert nat.add_block(t._t, t._rh, want[0], 4, 4, 0.0, p.slot, m._epoch + 1) is None
         with p.lock:
-            assert nat.lookup(hs, p.slot, m._epoch) is None
+            assert nat.lookup(hs, -1.0, p.slot, m._epoch) is None
             assert nat.add_block(t._t, t._rh, want[0], 4, 4, 0.0, p.slot, m._epoch) is None
         assert_unchanged_but_the_lock(p, before)
         ops = int(p.c[L.C_OPS])
-        assert nat.lookup(hs, p.slot, m._epoch) == want
+        assert nat.lookup(hs, -1.0, p.slot, m._epoch) == want
         assert int(p.c[L.C_OPS]) == ops + 1 and p.c[L.C_DIRTY] == 0
         assert (int(p.c[L.C_HITS]), int(p.c[L.C_MISSES])) == (hits + 3, misses + 1)
         assert [m.blocks[b].ref_count for b in want] == [0, 0, 0]
@@ -423,6 +423,13 @@ def test_the_fused_lookup_and_add_block_take_the_lock_themselves_and_refuse_what
         assert t.block_ids == [want[0]] * 2 and t.num_tokens == 7
         assert m.blocks[want[0]].ref_count == 2 and m.blocks[want[0]].token_count == 3
         assert int(p.c[L.C_NUM_FREE]) == free - 1 and p.c[L.C_DIRTY] == 0
+        # find_cached_block: the same lookup, of one hash, touching what it finds
+        h0, m0 = int(p.c[L.C_HITS]), int(p.c[L.C_MISSES])
+        m._p.blocks["last_access"][want[1]] = 0.0
+        assert m.find_cached_block(tokens[:8]).block_id == want[1]
+        assert m._p.blocks["last_access"][want[1]] > 0.0
+        assert m.find_cached_block([5, 5, 5, 5]) is None
+        assert (int(p.c[L.C_HITS]), int(p.c[L.C_MISSES])) == (h0 + 1, m0 + 1)
         # through the manager: the seed's calls
         got, n = m.get_computed_blocks(tokens)
         assert [b.block_id for b in got] == want and n == 12

@@ -291,13 +291,16 @@ nb::object hot_add_block_py(Hot &self, nb::handle t_, nb::handle rhash_, nb::han
     return count_result(r);
 }
 
-// lookup(hashes, slot, epoch) -> the ids of the blocks of the longest cached
-// run of hashes (16 bytes each, concatenated), counted as hits (and the
-// miss that ended it), or None (nothing changed): hot_lookup, in a hold of
-// its own; no reference is taken.
-nb::object hot_lookup_py(Hot &self, nb::handle hashes_, nb::handle slot_, nb::handle epoch_) {
+// lookup(hashes, now, slot, epoch) -> the ids of the blocks of the longest
+// cached run of hashes (16 bytes each, concatenated), counted as hits (and
+// the miss that ended it), their last access set to now where now >= 0, or
+// None (nothing changed): hot_lookup, in a hold of its own; no reference
+// is taken.
+nb::object hot_lookup_py(Hot &self, nb::handle hashes_, nb::handle now_, nb::handle slot_,
+                         nb::handle epoch_) {
     Py_ssize_t len;
     const char *hashes = as_y(hashes_, 0, &len);
+    double now = as_d(now_);
     int slot = as_i(slot_);
     long long epoch = as_L(epoch_);
     HotCore *h = ready(self);
@@ -307,7 +310,7 @@ nb::object hot_lookup_py(Hot &self, nb::handle hashes_, nb::handle slot_, nb::ha
     Ids<64> out(nh ? nh : 1);
     const unsigned char *hs = (const unsigned char *)hashes;
     int64_t r = retried(self, [&] {
-        return (int64_t)hot_lookup(h, hs, nh, slot, epoch, out.p);
+        return (int64_t)hot_lookup(h, hs, nh, now, slot, epoch, out.p);
     });
     if (r < 0)
         return nb::none();

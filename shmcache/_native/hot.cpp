@@ -369,8 +369,8 @@ NB_MODULE(_hot, m) {
              "add_block(t, rhash, b, tokens, bs, now, slot, epoch) -> b's position in table t, "
              "appended with a new reference, or None (takes the lock itself).")
         .def("lookup", &hot_lookup_py,
-             "lookup(hashes, slot, epoch) -> ids of the longest cached run, counted, or None "
-             "(takes the lock itself).")
+             "lookup(hashes, now, slot, epoch) -> ids of the longest cached run, counted (and "
+             "touched at now >= 0), or None (takes the lock itself).")
         .def("publish", &hot_publish_py,
              "publish(ids, hashes, bs, slot, epoch) -> blocks newly cached, or None (takes the "
              "lock itself).")

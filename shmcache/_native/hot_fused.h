@@ -271,14 +271,15 @@ hot_add_block(HotCore *h, int64_t t, uint64_t rhash, int64_t b, int64_t tokens, 
     return r < 0 ? r : pos;
 }
 
-/* lookup(hashes, nh, slot, epoch): the blocks of the longest cached run of
- * the nh 16-byte hashes (hot_index_find) written to out, their number, and
- * the hits and the miss that ended the run counted, in a hold of its own
- * (prefix.get_computed_blocks: no reference taken); or HOT_SLOW / HOT_BUSY
- * (nothing changed). */
+/* lookup(hashes, nh, now, slot, epoch): the blocks of the longest cached
+ * run of the nh 16-byte hashes (hot_index_find) written to out, their
+ * number, and the hits and the miss that ended the run counted, in a hold
+ * of its own (no reference taken): prefix.get_computed_blocks, and, with
+ * one hash and now >= 0 (each block found gets now as its last access),
+ * find_cached_block. Or HOT_SLOW / HOT_BUSY (nothing changed). */
 static inline int64_t
-hot_lookup(HotCore *h, const unsigned char *hashes, int64_t nh, int slot, long long epoch,
-           int32_t *out)
+hot_lookup(HotCore *h, const unsigned char *hashes, int64_t nh, double now, int slot,
+           long long epoch, int32_t *out)
 {
     int64_t n;
     int e;
@@ -301,6 +302,9 @@ hot_lookup(HotCore *h, const unsigned char *hashes, int64_t nh, int slot, long l
     C(h, P_C_HITS) += n;
     if (n < nh)
         C(h, P_C_MISSES) += 1;
+    if (now >= 0)
+        for (int64_t i = 0; i < n; i++)
+            LAST(h, out[i]) = (float)now;
     leave(h, 1);
     return n;
 }

@@ -151,6 +151,14 @@ class PoolOps:
         return self._p.c[L.C_NUM_FREE] >= n
 
     def _take_ref(self, b: int) -> None:
+        """One more reference on ``b``, held loose by this manager."""
+        self._count_ref(b)
+        self._refs.add_loose(b)
+
+    def _count_ref(self, b: int) -> None:
+        """One more reference counted on ``b`` (a free one taken out of the
+        free list, a reserved one out of its reserve first); the caller
+        names it in a list of this manager's (loose, or a table's)."""
         p = self._p
         if p.b_prev[b] <= -2:
             reserve.take_block(self, b)     # (free now, if a reserve held it)
@@ -160,7 +168,6 @@ class PoolOps:
             self._fq.remove_id(b)
         p.b_ref[b] += 1
         p.b_last[b] = p.now()
-        self._refs.add_loose(b)
 
     def _release(self, b: int) -> bool:
         release_block(self._p, self._fq, b)
@@ -379,6 +386,12 @@ class PoolOps:
         manager holds outside its tables moves into the table, or, where it
         holds none, a new one is taken (as ``touch`` takes one).
 
+        NOTE: a new reference is counted, then the table's list names it
+        (as acquire_computed_blocks's table branch, and _hot.add_block, do:
+        no detour through the loose list); a holder dying in between leaves
+        a count above the lists, which repair recomputes from them. A moved
+        one is named by the table, then dropped from the loose list.
+
         Raises:
             ValueError: the null block. CapacityError: no room for the
                 references (nothing changed).
@@ -390,17 +403,17 @@ class PoolOps:
         for b in ids:
             moved[b] = moved.get(b, 0) + 1
         avail = {b: refs.loose.count(b) for b in moved}
-        fresh = sum(max(0, k - avail[b]) for b, k in moved.items())
-        # (fresh references pass through this slot's loose list)
-        refs.need_chunks(refs.table_chunks_needed(t, len(ids)) + refs.loose_chunks_needed(fresh))
+        refs.need_chunks(refs.table_chunks_needed(t, len(ids)))
         start = int(self._p.t_len[t])
+        move = []
         for b in ids:
             if avail[b] > 0:
                 avail[b] -= 1
+                move.append(b)
             else:
-                self._take_ref(b)
+                self._count_ref(b)
         refs.table_extend(t, ids)
-        for b in ids:
+        for b in move:
             refs.drop_loose(b)
         if ids:
             self._chains.last_add = (t, start + len(ids) - 1, ids[-1])

@@ -99,10 +99,17 @@ class PrefixOps(PoolOps):
         if not self.enable_caching:
             return [], 0
         hashes = self._hashes(token_ids, len(token_ids) // self.block_size, extra_keys)
-        with self._p.lock:
-            self._sync()
-            found = self._lookup_chain(hashes)
-            self._count_lookup(found, hashes)
+        p = self._p
+        fused = getattr(p.native, "lookup", None)
+        # C (_hot.lookup): the hold below in one call that takes the lock
+        # itself; None: nothing changed, and the hold below runs
+        found = (fused(b"".join(hashes), -1.0, p.slot, self._epoch)
+                 if fused is not None and not p.lock.unusable and not p.lock.held else None)
+        if found is None:
+            with p.lock:
+                self._sync()
+                found = self._lookup_chain(hashes)
+                self._count_lookup(found, hashes)
         self._chains.looked_up(found, hashes)
         return [SharedBlock(self, b) for b in found], len(found) * self.block_size
 
@@ -190,9 +197,17 @@ class PrefixOps(PoolOps):
 
     def find_cached_block(self, tokens: List[int]) -> Optional[CacheBlock]:
         """The cached block whose prefix is exactly ``tokens`` (from position 0)."""
+        hashes = self._chunk_hashes(tokens)         # (a pure function: before the lock)
+        p = self._p
+        fused = getattr(p.native, "lookup", None)
+        # C (_hot.lookup of the last hash): the hold below in one call that
+        # takes the lock itself; None: nothing changed, and the hold runs
+        if hashes and fused is not None and not p.lock.unusable and not p.lock.held:
+            found = fused(hashes[-1], p.now(), p.slot, self._epoch)
+            if found is not None:
+                return SharedBlock(self, found[0]) if found else None
         with self._p.lock:
             self._sync()
-            hashes = self._chunk_hashes(tokens)
             b = self._index.find(hashes[-1]) if hashes else -1
             self._p.c[L.C_HITS if b >= 0 else L.C_MISSES] += 1
             if b < 0:

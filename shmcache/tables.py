@@ -111,6 +111,21 @@ class TableOps(PoolOps):
                 or ``tokens_in_block`` out of range. CapacityError (an
                 OutOfBlocksError): no room for the reference.
         """
+        p = self._p
+        fused = getattr(p.native, "add_block", None)
+        # C (_hot.add_block): a new reference's case (this manager holds
+        # none loose on the block: a loose one moves, below) in one hold the
+        # C op takes itself; None: nothing changed, and the path below runs
+        # (and raises for what it refused). Not inside a hold of this process.
+        if (fused is not None and type(table) is SharedBlockTable and table._m._p is p
+                and type(tokens_in_block) is int and not p.lock.unusable and not p.lock.held):
+            b = block._id if type(block) is SharedBlock and block._m is self else block
+            if type(b) is int and 0 < b < self.max_blocks and not self._refs.loose.count(b):
+                pos = fused(table._t, table._rh, b, tokens_in_block, self.block_size, p.now(),
+                            p.slot, self._epoch)
+                if pos is not None:
+                    self._chains.last_add = (table._t, pos, b)
+                    return
         self._table_add(table, block, tokens_in_block, count_tokens=True)
 
     def fork_block_table(self, source_table: BlockTable, new_request_id: str) -> BlockTable:

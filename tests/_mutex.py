@@ -30,6 +30,7 @@ class PythonOnly:
     """The pool's own mutex with the fused C operations hidden, so that the
     manager takes its Python fast path (a unit-test seam, nothing else)."""
     alloc = free = append = acquire = new_table = delete_table = publish = None
+    add_block = lookup = None
     table_new = table_drop = table_take = table_append = find_chain = table_ids = None
 
     def __init__(self, native) -> None:

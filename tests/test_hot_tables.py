@@ -69,9 +69,18 @@ def _serve(m, seed: int) -> list:
                         t = m.create_block_table(rid)
                 tokens = rng.choice(prompts)[:bs * rng.randint(0, 6)]
                 tokens = tokens + [rng.randrange(50) for _ in range(rng.randrange(2 * bs))]
-                # by table object (the fused acquire) or by request id (a
-                # hold of the caller's around find_chain and table_take)
-                got, n = m.acquire_computed_blocks(tokens, table=t if rng.random() < 0.5 else rid)
+                how = rng.random()
+                if how < 0.7:
+                    # by table object (the fused acquire) or by request id (a
+                    # hold of the caller's around find_chain and table_take)
+                    got, n = m.acquire_computed_blocks(tokens, table=t if how < 0.35 else rid)
+                else:
+                    # the seed's way: a lookup (the fused lookup), then each
+                    # block added with a new reference (the fused add_block;
+                    # a free cached block is taken out of the free list)
+                    got, n = m.get_computed_blocks(tokens)
+                    for blk in got:
+                        m.add_block_to_table(t, blk, bs)
                 log.append(("acq", [b.block_id for b in got], n))
                 live.append((rid, t, tokens, n))
             elif op < 0.45:
@@ -131,7 +140,7 @@ def test_the_c_table_ops_leave_the_same_state_as_the_python_ones(max_blocks):
     b._p.native = b._p.lock.native = PythonOnly(b._p.native)
     calls = {"table_new": 0, "table_drop": 0, "table_take": 0, "table_append": 0,
              "append": 0, "acquire": 0, "new_table": 0, "delete_table": 0, "find_chain": 0,
-             "publish": 0}
+             "publish": 0, "add_block": 0, "lookup": 0}
     a._p.native = a._p.lock.native = _Counted(a._p.native, calls)
     try:
         b._root = a._root                        # same chain hashes in both
@@ -144,7 +153,8 @@ def test_the_c_table_ops_leave_the_same_state_as_the_python_ones(max_blocks):
         assert calls["append"] > 50 and calls["table_new"] > 20, calls
         assert calls["new_table"] > 20 and calls["delete_table"] > 20, calls
         assert calls["table_take"] > 10 and calls["find_chain"] > 20, calls
-        assert calls["publish"] > 20, calls
+        assert calls["publish"] > 20 and calls["lookup"] > 20, calls
+        assert calls["add_block"] > 20, calls
     finally:
         a.close()
         b.close()
@@ -363,6 +373,75 @@ def test_the_fused_acquire_counts_only_what_it_takes_and_refuses_a_stale_table()
         assert nat.acquire(t._t, t._rh, b"", 0.0, 4, p.slot, m._epoch) == []   # nothing to look up
         m.delete_block_table("t")
         m.delete_block_table("src")
+        assert m.check() == [] and m.free_blocks == 31
+    finally:
+        m.close()
+
+
+@pytest.mark.skipif(not shlock.ACCELERATED, reason="the C accelerator is not built")
+def test_the_fused_lookup_and_add_block_take_the_lock_themselves_and_refuse_what_python_does():
+    """lookup() (get_computed_blocks) and add_block() (add_block_to_table
+    with a new reference) each run in one C hold of their own: the lookup
+    counts its hits and the miss that ended it and takes no reference;
+    add_block takes a free cached block out of the free list, counts the
+    tokens, and says where the block went. A stale view or table, the lock
+    held here, the null block, tokens over the block size, or a block with
+    a reserve's mark: None, and nothing changes. A block this manager holds
+    loose moves into the table (the Python path: no new reference)."""
+    m = shmcache.PagedCacheManager(block_size=4, max_blocks=32)
+    try:
+        p, nat = m._p, m._p.native
+        src = m.create_block_table("src")
+        tokens = list(range(12))
+        m.prepare_append(src, 12)
+        m.cache_full_blocks(src.block_ids, tokens, 0, 3)
+        want = src.block_ids
+        m.delete_block_table("src")                 # cached, free
+        t = m.create_block_table("t")
+        hs = b"".join(m._hashes(tokens + [99] * 4, 4, None))       # 3 cached, then a miss
+        loose = m.get_new_blocks(1)[0].block_id      # (allocated loose: a reserve's mark)
+        hits, misses, free = int(p.c[L.C_HITS]), int(p.c[L.C_MISSES]), int(p.c[L.C_NUM_FREE])
+        before = bytes(p.raw)
+        assert nat.lookup(hs, -1.0, p.slot, m._epoch + 1) is None
+        assert nat.lookup(hs[:-1], -1.0, p.slot, m._epoch) is None
+        for args in ((t._t, t._rh ^ 1, want[0], 4), (t._t + 1, t._rh, want[0], 4),
+                     (t._t, t._rh, 0, 4), (t._t, t._rh, 32, 4), (t._t, t._rh, want[0], 5),
+                     (t._t, t._rh, want[0], -1), (t._t, t._rh, loose, 4)):
+            assert nat.add_block(*args, 4, 0.0, p.slot, m._epoch) is None, args
+        assert nat.add_block(t._t, t._rh, want[0], 4, 4, 0.0, p.slot, m._epoch + 1) is None
+        with p.lock:
+            assert nat.lookup(hs, -1.0, p.slot, m._epoch) is None
+            assert nat.add_block(t._t, t._rh, want[0], 4, 4, 0.0, p.slot, m._epoch) is None
+        assert_unchanged_but_the_lock(p, before)
+        ops = int(p.c[L.C_OPS])
+        assert nat.lookup(hs, -1.0, p.slot, m._epoch) == want
+        assert int(p.c[L.C_OPS]) == ops + 1 and p.c[L.C_DIRTY] == 0
+        assert (int(p.c[L.C_HITS]), int(p.c[L.C_MISSES])) == (hits + 3, misses + 1)
+        assert [m.blocks[b].ref_count for b in want] == [0, 0, 0]
+        assert nat.add_block(t._t, t._rh, want[0], 4, 4, 0.0, p.slot, m._epoch) == 0
+        assert nat.add_block(t._t, t._rh, want[0], 3, 4, 0.0, p.slot, m._epoch) == 1
+        assert t.block_ids == [want[0]] * 2 and t.num_tokens == 7
+        assert m.blocks[want[0]].ref_count == 2 and m.blocks[want[0]].token_count == 3
+        assert int(p.c[L.C_NUM_FREE]) == free - 1 and p.c[L.C_DIRTY] == 0
+        # find_cached_block: the same lookup, of one hash, touching what it finds
+        h0, m0 = int(p.c[L.C_HITS]), int(p.c[L.C_MISSES])
+        m._p.blocks["last_access"][want[1]] = 0.0
+        assert m.find_cached_block(tokens[:8]).block_id == want[1]
+        assert m._p.blocks["last_access"][want[1]] > 0.0
+        assert m.find_cached_block([5, 5, 5, 5]) is None
+        assert (int(p.c[L.C_HITS]), int(p.c[L.C_MISSES])) == (h0 + 1, m0 + 1)
+        # through the manager: the seed's calls
+        got, n = m.get_computed_blocks(tokens)
+        assert [b.block_id for b in got] == want and n == 12
+        m.add_block_to_table(t, got[1], 4)
+        m.add_block_to_table(t, loose, 2)           # held loose: moved, no new reference
+        assert t.block_ids == [want[0]] * 2 + [want[1], loose] and t.num_tokens == 13
+        assert m.blocks[loose].ref_count == 1 and m._refs.loose.count(loose) == 0
+        for bad in ((0, 4), (want[2], 5), (want[2], True)):
+            with pytest.raises((ValueError, TypeError)):
+                m.add_block_to_table(t, *bad)
+        assert m.check() == []
+        m.delete_block_table("t")
         assert m.check() == [] and m.free_blocks == 31
     finally:
         m.close()

@@ -319,7 +319,7 @@ def main(argv=None) -> int:
                                      args.trace))
     rows.sort(key=lambda r: mixes.index(r["mix"]))      # (stable: rounds stay in order)
     print(f"python -m tools.bench_scale --processes {args.processes} --seconds {args.seconds:g} "
-          f"--repeat {args.repeat} (CPUs: {os.cpu_count()})")
+          f"--repeat {args.repeat} --mix {args.mix} (CPUs: {os.cpu_count()})")
     print(table(rows))
     if args.steps:
         print(steps_table(rows))

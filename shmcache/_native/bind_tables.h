@@ -2,7 +2,8 @@
 // ops and prefix lookup (hot.cpp, the one unit that includes this, puts them
 // in the module): table_new, table_drop, table_take, table_append and
 // find_chain run inside a hold the Python caller took; new_table,
-// delete_table, append, acquire, publish and table_ids (hot_fused.h) take the lock
+// delete_table, append, acquire, add_block, lookup, publish and table_ids
+// (hot_fused.h) take the lock
 // themselves. Each converts its arguments
 // (bind_args.h), calls the core and turns HOT_SLOW into None.
 #ifndef SHMCACHE_BIND_TABLES_H
@@ -269,6 +270,55 @@ nb::object hot_acquire_py(Hot &self, nb::handle t_, nb::handle rhash_, nb::handl
                                     &list);
     });
     return list_result(r, list);
+}
+
+// add_block(t, rhash, b, tokens, bs, now, slot, epoch) -> the position of
+// block b, appended to table t with a new reference (tokens counted), or
+// None (nothing changed): hot_add_block, in a hold of its own.
+nb::object hot_add_block_py(Hot &self, nb::handle t_, nb::handle rhash_, nb::handle b_,
+                            nb::handle tokens_, nb::handle bs_, nb::handle now_,
+                            nb::handle slot_, nb::handle epoch_) {
+    Py_ssize_t t = as_n(t_);
+    uint64_t rhash = as_K(rhash_, 2);
+    Py_ssize_t b = as_n(b_), tokens = as_n(tokens_), bs = as_n(bs_);
+    double now = as_d(now_);
+    int slot = as_i(slot_);
+    long long epoch = as_L(epoch_);
+    HotCore *h = ready(self);
+    int64_t r = retried(self, [&] {
+        return (int64_t)hot_add_block(h, t, rhash, b, tokens, bs, now, slot, epoch);
+    });
+    return count_result(r);
+}
+
+// lookup(hashes, now, slot, epoch) -> the ids of the blocks of the longest
+// cached run of hashes (16 bytes each, concatenated), counted as hits (and
+// the miss that ended it), their last access set to now where now >= 0, or
+// None (nothing changed): hot_lookup, in a hold of its own; no reference
+// is taken.
+nb::object hot_lookup_py(Hot &self, nb::handle hashes_, nb::handle now_, nb::handle slot_,
+                         nb::handle epoch_) {
+    Py_ssize_t len;
+    const char *hashes = as_y(hashes_, 0, &len);
+    double now = as_d(now_);
+    int slot = as_i(slot_);
+    long long epoch = as_L(epoch_);
+    HotCore *h = ready(self);
+    if (len % 16 || len / 16 >= h->p[P_MAX_BLOCKS])    // (before sizing anything by it)
+        return nb::none();
+    Py_ssize_t nh = len / 16;
+    Ids<64> out(nh ? nh : 1);
+    const unsigned char *hs = (const unsigned char *)hashes;
+    int64_t r = retried(self, [&] {
+        return (int64_t)hot_lookup(h, hs, nh, now, slot, epoch, out.p);
+    });
+    if (r < 0)
+        return nb::none();
+    PyObject *list = nullptr;
+    build_list(&list, out.p, r);
+    if (!list)
+        throw_error();
+    return nb::steal(list);
 }
 
 // publish(ids, hashes, bs, slot, epoch) -> how many blocks of ids became

@@ -25,7 +25,8 @@
 //   hot_index.h     find_chain(): the prefix lookup, in the same lock hold,
 //                   and the publication of blocks in the prefix index;
 //   hot_fused.h     new_table(), delete_table(), append(), acquire(),
-//                   publish(): ops that take the lock themselves.
+//                   add_block(), lookup(), publish(): ops that take the lock
+//                   themselves.
 // The Python paths stay the reference (fastpath.py, tables.py, prefix.py,
 // index.py): each C path does what its Python path does (a table op, what
 // it does after its lookups), and None means the Python path runs.
@@ -364,6 +365,12 @@ NB_MODULE(_hot, m) {
         .def("acquire", &hot_acquire_py,
              "acquire(t, rhash, hashes, now, bs, slot, epoch) -> ids taken into table t, or None "
              "(takes the lock itself).")
+        .def("add_block", &hot_add_block_py,
+             "add_block(t, rhash, b, tokens, bs, now, slot, epoch) -> b's position in table t, "
+             "appended with a new reference, or None (takes the lock itself).")
+        .def("lookup", &hot_lookup_py,
+             "lookup(hashes, now, slot, epoch) -> ids of the longest cached run, counted (and "
+             "touched at now >= 0), or None (takes the lock itself).")
         .def("publish", &hot_publish_py,
              "publish(ids, hashes, bs, slot, epoch) -> blocks newly cached, or None (takes the "
              "lock itself).")

@@ -239,6 +239,35 @@ begin_update(HotCore *h)
     STORE_ORDER();
 }
 
+/* This thread's kernel id, asked once per thread (a system call costs a
+ * good part of a fused op's whole hold, and every table op asks inside
+ * its hold). A child of fork() is a new thread of a new process: the
+ * handler that fork runs in the child forgets the parent's id. */
+static __thread uint32_t hot_tid_known;
+
+static void
+hot_tid_forget(void)
+{
+    hot_tid_known = 0;
+}
+
+static void
+hot_tid_register(void)
+{
+    pthread_atfork(NULL, NULL, hot_tid_forget);
+}
+
+static inline uint32_t
+hot_tid(void)
+{
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    if (__builtin_expect(hot_tid_known == 0, 0)) {
+        pthread_once(&once, hot_tid_register);
+        hot_tid_known = (uint32_t)syscall(SYS_gettid);
+    }
+    return hot_tid_known;
+}
+
 /* Whether this thread holds the pool mutex (the lock word names it: glibc
  * keeps the word first in pthread_mutex_t on Linux, see owner_vanished).
  * The lock-held table ops check it: their caller took the lock. */
@@ -246,7 +275,7 @@ static inline int
 held_here(const HotCore *h)
 {
     uint32_t w = __atomic_load_n((uint32_t *)h->mutex, __ATOMIC_RELAXED);
-    return (w & W_TID_MASK) == (uint32_t)syscall(SYS_gettid);
+    return (w & W_TID_MASK) == hot_tid();
 }
 
 #endif

@@ -1,11 +1,13 @@
-/* shmcache/_native/hot_fused.h: six ops of a request's life as fused
+/* shmcache/_native/hot_fused.h: eight ops of a request's life as fused
  * ops that take the lock themselves, as alloc() and free() do (hot_loose.h),
  * instead of running inside a hold the Python caller takes: new_table()
  * (tables.create_block_table, over table_new), delete_table()
  * (delete_block_table: table_drop, then the request-id index's entry
  * removed), append() (prepare_append's common case, over table_append) and
  * acquire() (the table branch of prefix.acquire_computed_blocks: find_chain,
- * then table_take), publish() (prefix.cache_full_blocks: hot_index_add) and
+ * then table_take), add_block() (tables.add_block_to_table: table_take of
+ * one block), lookup() (prefix.get_computed_blocks: find_chain, counted),
+ * publish() (prefix.cache_full_blocks: hot_index_add) and
  * table_ids() (a table's block_ids, read).
  * Included by hot.cpp.
  *
@@ -230,6 +232,79 @@ hot_acquire(HotCore *h, int64_t t, uint64_t rhash, const unsigned char *hashes, 
     C(h, P_C_HITS) += n;
     if (n < nh)
         C(h, P_C_MISSES) += 1;
+    leave(h, 1);
+    return n;
+}
+
+/* add_block(t, rhash, b, tokens, now, slot, epoch): the position at which
+ * block b was appended to table t, or HOT_SLOW / HOT_NOMEM / HOT_BUSY
+ * (nothing changed). tables.add_block_to_table's case where the manager
+ * holds no loose reference to b (its caller checked: the move of one is
+ * the Python path's): a new reference on b (a free one taken out of the
+ * free list), its last access now, b appended to the table's list
+ * (hot_table_take), tokens added to the table's and the pool's counts, and
+ * b's own count set to tokens, in a hold of its own: one C hold instead of
+ * a Python one per block of a consumer that adds blocks one at a time.
+ * HOT_SLOW also when b carries a reserve's mark (a held block with a prev
+ * other than -1: reserve.take_block is the Python path's), or tokens is out
+ * of [0, bs]. */
+static inline int64_t
+hot_add_block(HotCore *h, int64_t t, uint64_t rhash, int64_t b, int64_t tokens, int64_t bs,
+              double now, int slot, long long epoch)
+{
+    int64_t r, pos;
+    int32_t id = (int32_t)b;
+    if (!IS_BLOCK(h, b) || bs <= 0 || bs > 65535 || tokens < 0 || tokens > bs)
+        return HOT_SLOW;
+    if ((r = enter_table(h, t, rhash, slot, epoch)) < 0)
+        return r;
+    if (REF(h, id) > 0 && PREV(h, id) != -1) {
+        leave(h, 0);
+        return HOT_SLOW;
+    }
+    pos = TF(h, t, P_T_LEN);
+    begin_update(h);
+    r = hot_table_take(h, t, &id, 1, now, tokens);
+    if (r >= 0)
+        TOK(h, id) = (uint16_t)tokens;
+    leave(h, 1);
+    return r < 0 ? r : pos;
+}
+
+/* lookup(hashes, nh, now, slot, epoch): the blocks of the longest cached
+ * run of the nh 16-byte hashes (hot_index_find) written to out, their
+ * number, and the hits and the miss that ended the run counted, in a hold
+ * of its own (no reference taken): prefix.get_computed_blocks, and, with
+ * one hash and now >= 0 (each block found gets now as its last access),
+ * find_cached_block. Or HOT_SLOW / HOT_BUSY (nothing changed). */
+static inline int64_t
+hot_lookup(HotCore *h, const unsigned char *hashes, int64_t nh, double now, int slot,
+           long long epoch, int32_t *out)
+{
+    int64_t n;
+    int e;
+    if (!hot_index_on(h) || nh < 0 || nh >= h->p[P_MAX_BLOCKS] || slot < 0 ||
+        slot >= h->p[P_MAX_SLOTS])
+        return HOT_SLOW;
+    if ((e = enter(h, epoch, slot)) < 0)
+        return e == -2 ? HOT_BUSY : HOT_SLOW;
+    for (n = 0; n < nh; n++) {
+        int64_t b = hot_index_find(h, hashes + 16 * n);
+        if (b == 0)
+            break;
+        if (b < 0) {                /* the Python path meets it and raises */
+            leave(h, 0);
+            return HOT_SLOW;
+        }
+        out[n] = (int32_t)b;
+    }
+    begin_update(h);
+    C(h, P_C_HITS) += n;
+    if (n < nh)
+        C(h, P_C_MISSES) += 1;
+    if (now >= 0)
+        for (int64_t i = 0; i < n; i++)
+            LAST(h, out[i]) = (float)now;
     leave(h, 1);
     return n;
 }

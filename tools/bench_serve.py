@@ -7,7 +7,7 @@ worker), mlx_lm.server gets it through LD_PRELOAD):
     a         shmcache serve --workers N (its workers share one KV cache in /dev/shm)
     b         one mlx_lm.server with its defaults: OpenBLAS with every core as a
               thread (OPENBLAS_NUM_THREADS unset), its own prompt cache
-    c         N mlx_lm.server processes, OPENBLAS_NUM_THREADS=1 each; request k
+    c         N mlx_lm.server processes, OPENBLAS_NUM_THREADS=cores/N each; request k
               of a run goes to server k mod N (round-robin)
     c-sticky  the same N servers, every chat session pinned to one server
               (--sticky balanced: session s to server s mod N, a balancer that
@@ -117,20 +117,24 @@ class Config:
 
 def make_configs(workers: int, blas_path: str, sticky: str) -> dict[str, Config]:
     cores = os.cpu_count() or 1
+    # a's workers get the cores shared out as BLAS threads (its default); the
+    # N servers of c get the same share each, so both use every core alike
+    share = str(max(1, cores // workers))
     return {
         "a": Config("a", f"shmcache serve --workers {workers} (OpenBLAS bound by shmcache, "
-                    "1 thread per worker)", "shmcache", 1, workers,
+                    f"its default: {share} thread(s) per worker)", "shmcache", 1, workers,
                     env={"SHMCACHE_BLAS": blas_path}, env_unset=_BLAS_ENV),
         "b": Config("b", f"1 x mlx_lm.server, its defaults: LD_PRELOAD OpenBLAS, "
                     f"OPENBLAS_NUM_THREADS unset ({cores} threads)", "mlx", 1, 1,
                     env={"LD_PRELOAD": blas_path}, env_unset=_BLAS_ENV),
         "c": Config("c", f"{workers} x mlx_lm.server, LD_PRELOAD OpenBLAS, "
-                    "OPENBLAS_NUM_THREADS=1, round-robin per request", "mlx", workers, 1,
-                    env={"LD_PRELOAD": blas_path, "OPENBLAS_NUM_THREADS": "1"},
+                    f"OPENBLAS_NUM_THREADS={share} (the cores shared out), round-robin per "
+                    "request", "mlx", workers, 1,
+                    env={"LD_PRELOAD": blas_path, "OPENBLAS_NUM_THREADS": share},
                     env_unset=_BLAS_ENV),
         "c-sticky": Config("c-sticky", f"the {workers} servers of c, each chat session pinned "
                            f"to one ({sticky})", "mlx", workers, 1, route="sticky",
-                           env={"LD_PRELOAD": blas_path, "OPENBLAS_NUM_THREADS": "1"},
+                           env={"LD_PRELOAD": blas_path, "OPENBLAS_NUM_THREADS": share},
                            env_unset=_BLAS_ENV, workloads=("chat",)),
         "llama": Config("llama", f"llama_cpp.server on the GGUF, {cores} threads", "llama", 1,
                         1, env_unset=_BLAS_ENV),

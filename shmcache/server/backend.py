@@ -145,17 +145,21 @@ class WorkerBackend(WorkerLifecycle):
         bs = self.block_size
         mine = f.gen.prompt
         for w in self._live():
-            for g in w.flights.values():
-                if g.started or g.gen.params.salt != f.gen.params.salt:
-                    continue
-                theirs = g.gen.prompt
-                limit = min(len(mine), len(theirs)) - 1
-                done = g.progress // bs * bs
-                if done + bs > limit or mine[done:done + bs] != theirs[done:done + bs] \
-                        or mine[:bs] != theirs[:bs]:
-                    continue
-                if mine[:done] == theirs[:done]:
-                    return True
+            # a worker prefills its requests one at a time, in the order
+            # they came: only its first one not started is computing (or
+            # about to); one queued behind it computes nothing yet, and
+            # waiting for it would hold ``f`` back for nothing
+            g = next((g for g in w.flights.values() if not g.started), None)
+            if g is None or g.gen.params.salt != f.gen.params.salt:
+                continue
+            theirs = g.gen.prompt
+            limit = min(len(mine), len(theirs)) - 1
+            done = g.progress // bs * bs
+            if done + bs > limit or mine[:bs] != theirs[:bs] \
+                    or mine[done:done + bs] != theirs[done:done + bs]:
+                continue
+            if mine[:done] == theirs[:done]:
+                return True
         return False
 
     def _moved(self) -> None:

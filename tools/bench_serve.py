@@ -144,7 +144,8 @@ def make_configs(workers: int, blas_path: str, sticky: str) -> dict[str, Config]
 def server_argv(cfg: Config, model: str, port: int, args) -> list[str]:
     if cfg.kind == "shmcache":
         return [sys.executable, "-m", "shmcache.cli", "serve", "--model", model,
-                "--workers", str(args.workers), "--port", str(port), "--log-level", "warning"]
+                "--workers", str(args.workers), "--port", str(port), "--log-level", "warning",
+                *shlex.split(args.serve_args)]
     if cfg.kind == "llama":
         return [sys.executable, "-m", "llama_cpp.server", "--model", args.gguf,
                 "--port", str(port), "--n_threads", str(os.cpu_count() or 1),
@@ -334,6 +335,9 @@ def parse_args(argv) -> argparse.Namespace:
                    help="add llama.cpp's server (config llama) where llama_cpp imports")
     g.add_argument("--gguf", metavar="FILE", help="the GGUF file llama.cpp serves")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--serve-args", default="", metavar="ARGS",
+                    help="extra flags for shmcache serve (a), e.g. '--prefill-step 256' "
+                         "(default: none, its defaults)")
     ap.add_argument("--prompt-cache-size", type=int, default=10,
                     help="mlx_lm.server --prompt-cache-size (default 10, its own default)")
     ap.add_argument("--pss-interval", type=float, default=2.0,

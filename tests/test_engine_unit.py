@@ -24,6 +24,8 @@ step; a cancel during prefill releases the request's blocks and stops it.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from shmcache.errors import OutOfBlocksError
@@ -50,6 +52,8 @@ class FakeManager:
 
     def __init__(self, blocks: int) -> None:
         self.block_size = BS
+        # the K/V shape the engine sizes its working buffers by (one float32 a token)
+        self.layout = SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=1, dtype="float32")
         self.total = self.free = blocks
         self.cached: dict = {}          # tuple(prompt[:-1]) -> tokens found in the pool
         self.acquired: list = []        # table names acquired (one per prefill start)
@@ -73,6 +77,13 @@ class FakeSequence:
         mgr.acquired.append(name)
         seq = cls(mgr, name, hit, shared=hit // BS)
         return seq
+
+    @classmethod
+    def begin(cls, mgr, name, tokens, extra=None):
+        """The engine's start of an acquire (the L1 lookup, then L2's in the
+        background): with no L2 here, the lookup is ready at once."""
+        seq = cls.acquire(mgr, name, tokens, extra)
+        return SimpleNamespace(ready=lambda: True, finish=lambda: seq, release=seq.release)
 
     def reserve(self, n: int) -> None:
         # idempotent until commit, as the pool's (the engine retries a step)

@@ -25,7 +25,7 @@ from .codec import HEADER_BYTES, Codec, Rejected
 
 log = logging.getLogger("shmcache.l2")
 
-DEFAULT_TIMEOUT = 0.05                  # seconds, a lookup as a whole
+DEFAULT_TIMEOUT = 0.5                   # seconds, a lookup as a whole
 DEFAULT_RETRY = 2.0                     # seconds between attempts during an outage
 DEFAULT_QUEUE_BYTES = 256 << 20         # write-back queued and not yet sent, at most
 DEFAULT_BATCH_BYTES = 32 << 20          # one MGET or one SET pipeline, at most

@@ -190,7 +190,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "pool shares nothing with others)")
     g.add_argument("--l2-timeout", metavar="S", type=_seconds, default=None,
                    help="seconds an L2 lookup has, as a whole, before the request goes on "
-                        "with what arrived (default: 0.05); the worker's other requests keep "
+                        "with what arrived (default: 0.5); the worker's other requests keep "
                         "generating meanwhile")
     g.add_argument("--l2-retry", metavar="S", type=_seconds, default=None,
                    help="during an outage, seconds between attempts to reach Redis "

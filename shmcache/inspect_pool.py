@@ -28,6 +28,7 @@ from .slots import UNRECORDED_OWNER_S, lock_owner_problem, thread_status
 from .errors import CorruptPoolError, IncompatiblePoolError
 from .lock import MUTEX_MAP_SIZE, open_mutex
 from .platform import byte_held_by_other
+from .pool import MappedViews
 
 STAT_KEYS = ("allocated_blocks", "free_blocks", "shared_blocks", "cached_blocks",
              "total_tokens_cached", "tokens_held", "cache_hits", "cache_misses",
@@ -291,7 +292,6 @@ class PoolView:
             recovery.scan_stats of the copy, "tables": int, "holders":
             [holdings]}.
         """
-        from .pool import Pool
         lay, c = self.layout, self.c
         deadline = time.monotonic() + settle
         while True:
@@ -307,7 +307,7 @@ class PoolView:
                 break
             time.sleep(0.001)
         snap = _Snapshot(self.name, lay, bytearray(data))
-        Pool._map_views(snap, arena=False)
+        snap.map_views(arena=False)
         problems = recovery.check(snap)
         # what a copy cannot show: a claim or a lock word that does not move
         problems += self.stuck_claims()
@@ -365,7 +365,7 @@ class PoolView:
         self.close()
 
 
-class _Snapshot:
+class _Snapshot(MappedViews):
     """A private copy of a pool's metadata with a Pool's views over it, for
     ``recovery.check``; corruption met reading it is only reported."""
 

@@ -349,6 +349,16 @@ class PagedCacheManager(TableOps, PrefixOps, KVOps, AdminOps):
 
     # ================================================================ lifetime
     @property
+    def pool(self) -> Pool:
+        """The internal seam (not the seed's API): the ``Pool`` this manager
+        works on, for ``/metrics`` and the CLI (``pool.gauges()``), tools and
+        tests. Its arrays belong to the modules that own them (layout.py's
+        byte map says which); code outside them reads the named accessors
+        (``gauges``, the counter properties). Tests may read ``_p``, the
+        same object, where they must."""
+        return self._p
+
+    @property
     def layout(self) -> L.Layout:
         return self._p.layout
 

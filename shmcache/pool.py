@@ -38,6 +38,33 @@ def _positive_int(name: str, v, minimum: int = 1) -> int:
     return int(v)
 
 
+def block_usage(ref_count, flags) -> dict:
+    """The one definition of a pool's block figures, for ``shmcache inspect``
+    and ``/metrics`` (``shmcache_pool_blocks_*``), from the blocks' reference
+    counts and flags (arrays over the blocks):
+
+    * block 0, the null block (always referenced, never cached), is left out;
+    * ``blocks_used``: referenced by some table or process;
+    * ``blocks_cached``: holding published prefix data (referenced or not: an
+      unreferenced cached block sits on the free list, evicted when taken);
+    * ``blocks_free``: neither: holding nothing at all;
+    * ``blocks_total``: the pool's blocks but the null block.
+
+    Unused + cached = total when nothing is in use."""
+    ref = ref_count[1:] > 0
+    cached = (flags[1:] & L.FLAG_CACHED) != 0
+    return {"blocks_total": int(ref.size), "blocks_used": int(ref.sum()),
+            "blocks_cached": int(cached.sum()), "blocks_free": int((~ref & ~cached).sum())}
+
+
+def prefix_hit_rate(hits: int, misses: int) -> float:
+    """The one definition of the pool's prefix hit rate, for ``shmcache
+    inspect`` and ``/metrics`` (``shmcache_pool_prefix_hit_rate``): the
+    prompt blocks found in the cache over the prompt blocks looked up, since
+    the pool was made (the pool's own counters; 0 before any lookup)."""
+    return hits / (hits + misses) if hits + misses else 0.0
+
+
 class MappedViews:
     """The segment's structures as numpy arrays and memoryviews over one
     buffer (``map_views``): what ``Pool`` works on, and what a snapshot
@@ -133,19 +160,27 @@ class MappedViews:
         return bool(self.c[L.C_DIRTY])
 
     def gauges(self) -> dict:
-        """The pool's counters by name, read without the lock (statistics:
-        each one is a single aligned word, the set not one instant):
-        blocks (the pool's usable blocks), free_blocks (free list and
-        reserves), reserved_blocks, tables, hits, misses, cow, evictions,
-        ops (lock holds taken), dirty."""
-        c = self.c
-        reserved = reserved_total(self)
-        return {"blocks": self.layout.max_blocks - 1,
-                "free_blocks": int(c[L.C_NUM_FREE]) + reserved,
-                "reserved_blocks": reserved, "tables": int(c[L.C_NUM_TABLES]),
-                "hits": int(c[L.C_HITS]), "misses": int(c[L.C_MISSES]),
-                "cow": int(c[L.C_COW]), "evictions": int(c[L.C_EVICTIONS]),
-                "ops": int(c[L.C_OPS]), "dirty": bool(c[L.C_DIRTY])}
+        """The pool's figures by name for ``/metrics`` and the CLI, read
+        without the lock (statistics: each counter is one aligned word,
+        never torn; the set is not one instant): ``block_usage``'s
+        blocks_total/used/cached/free; free_list_blocks and
+        reserved_blocks; tables, hits, misses, prefix_hit_rate, cow,
+        evictions, ops (lock holds), recoveries, reclaimed_refs,
+        lock_wait_max_s, lock_turns, lock_queue, dirty, free_ref_chunks."""
+        c, n = self.c, self.layout.max_blocks
+        b = self.blocks
+        g = block_usage(b["ref_count"][:n], b["flags"][:n])
+        hits, misses = int(c[L.C_HITS]), int(c[L.C_MISSES])
+        g.update(free_list_blocks=int(c[L.C_NUM_FREE]), reserved_blocks=reserved_total(self),
+                 tables=int(c[L.C_NUM_TABLES]), hits=hits, misses=misses,
+                 prefix_hit_rate=prefix_hit_rate(hits, misses), cow=int(c[L.C_COW]),
+                 evictions=int(c[L.C_EVICTIONS]), ops=int(c[L.C_OPS]),
+                 recoveries=int(c[L.C_RECOVERIES]), reclaimed_refs=int(c[L.C_RECLAIMED]),
+                 lock_wait_max_s=int(c[L.C_LOCK_WAIT_NS]) / 1e9,
+                 lock_turns=int(c[L.C_TURN_NEXT]),
+                 lock_queue=max(0, int(c[L.C_TURN_NEXT]) - int(c[L.C_TURN_NOW])),
+                 dirty=bool(c[L.C_DIRTY]), free_ref_chunks=int(c[L.C_FREE_REFS]))
+        return g
 
 
 class Pool(SlotOps, MappedViews):

@@ -4,22 +4,75 @@ public operation is built from, and the release paths recovery uses."""
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING, List
 
 import numpy as np
 
 from . import layout as L
-from . import claims, recovery, reserve
+from . import claims, recovery
 from .blocks import CacheBlock, PoolStats, chain_hashes
 from .errors import CapacityError
 from .reclaim import reclaim_dead_slots, release_block
 from .refs import rid_key
 from .views import SharedBlock, SharedBlockTable
 
+if TYPE_CHECKING:
+    from .freelist import SharedFreeQueue
+    from .holder import Holder
+    from .index import OpenIndex, PrefixIndex
+    from .lock import PoolLock
+    from .pool import Pool
+    from .refs import RefStore
+    from .reserve import Reserves
+    from .table_chains import TableChains
+
 logger = logging.getLogger("shmcache.paged_cache")
 
 
 class PoolOps:
-    """Primitive steps over a pool; callers hold ``self._p.lock``."""
+    """Primitive steps over a pool; callers hold ``self._p.lock``.
+
+    The state is owned by the collaborators the manager is built from
+    (``paged_cache.PagedCacheManager.__init__``): the pool, this process's
+    ``holder.Holder`` (references, epoch, table maps, cache_data), the free
+    list, the prefix index, the table index and the reserves.
+    """
+
+    name: str
+    block_size: int
+    max_blocks: int
+    enable_caching: bool
+    _p: "Pool"
+    _h: "Holder"
+    _fq: "SharedFreeQueue"
+    _index: "PrefixIndex"
+    _tindex: "OpenIndex"
+    _lock: "PoolLock"
+    _root: bytes
+    _reserves: "Reserves"
+
+    if TYPE_CHECKING:      # the facade's own (paged_cache.PagedCacheManager)
+        @property
+        def free_blocks(self) -> int: ...
+
+        def get_new_blocks(self, num_blocks: int) -> List[CacheBlock]: ...
+
+    # this process's holding, owned by the holder (names kept for callers)
+    @property
+    def _refs(self) -> "RefStore":
+        return self._h.refs
+
+    @property
+    def _epoch(self) -> int:
+        return self._h.epoch
+
+    @property
+    def _tcache(self) -> dict:
+        return self._h.tcache
+
+    @property
+    def _chains(self) -> "TableChains":
+        return self._h.chains
 
     # ================================================================ internals
     def _bid(self, block) -> int:
@@ -47,9 +100,7 @@ class PoolOps:
 
     def _sync(self) -> None:
         # (the lock has checked that this manager is usable)
-        if self._p.c[L.C_EPOCH] != self._epoch:
-            self._refs.resync()
-            self._epoch = self._p.c[L.C_EPOCH]
+        self._h.sync()
 
     def _set_block_hash(self, b: int, h) -> None:
         with self._p.lock:
@@ -77,44 +128,18 @@ class PoolOps:
             raise ValueError(f"token_count must be an int in [0, {self.block_size}], got {v!r}")
         self._p.b_tok[b] = v
 
-    # cache_data: the seed's per-block Python object (its KV tensors, in any
-    # form its caller chose). It lives in this manager, for this process
-    # (another process has its own objects; the pool's payload is what
-    # write_kv/read_kv share), keyed by block and the block's generation:
-    # once the block is taken for reuse by any process, the object is gone.
+    # cache_data: owned by the holder (holder.Holder.block_payload)
     def _block_payload(self, b: int):
-        e = self._cdata.get(b)
-        if e is None:
-            return None
-        if e[0] != self._p.b_gen[b]:
-            self._cdata.pop(b, None)
-            return None
-        return e[1]
+        return self._h.block_payload(b)
 
     def _set_block_payload(self, b: int, data) -> None:
-        cd = self._cdata
-        if data is None:
-            cd.pop(b, None)
-            return
-        cd[b] = (self._p.b_gen[b], data)
-        if len(cd) > self._cdata_prune:
-            gen = self._p.b_gen
-            for k in [k for k, e in cd.items() if e[0] != gen[k]]:
-                del cd[k]
-            self._cdata_prune = max(64, 2 * len(cd))
+        self._h.set_block_payload(b, data)
 
     def _drop_payloads(self, blocks=None) -> None:
-        if blocks is None:
-            self._cdata.clear()
-        else:
-            for b in blocks:
-                self._cdata.pop(b, None)
+        self._h.drop_payloads(blocks)
 
     def _copy_payload(self, old: int, new: int) -> None:
-        # copy-on-write: the copy has the source's object, as in the seed
-        data = self._block_payload(old)
-        if data is not None:
-            self._cdata[new] = (self._p.b_gen[new], data)
+        self._h.copy_payload(old, new)
 
     def _scan_stats(self) -> PoolStats:
         with self._p.lock:
@@ -147,7 +172,7 @@ class PoolOps:
         self._reclaim_locked()
         free = self._p.c[L.C_NUM_FREE]
         if free < n:
-            reserve.take_from_reserves(self, n - free)
+            self._reserves.take_from_reserves(n - free)
         return self._p.c[L.C_NUM_FREE] >= n
 
     def _take_ref(self, b: int) -> None:
@@ -161,7 +186,7 @@ class PoolOps:
         names it in a list of this manager's (loose, or a table's)."""
         p = self._p
         if p.b_prev[b] <= -2:
-            reserve.take_block(self, b)     # (free now, if a reserve held it)
+            self._reserves.take_block(b)     # (free now, if a reserve held it)
         if p.b_ref[b] == 0:
             if p.b_prev[b] < 0 or p.b_next[b] < 0:
                 raise p.corrupt(f"block {b} has no references but is not in the free list")
@@ -250,52 +275,12 @@ class PoolOps:
 
     def _holds(self, b: int) -> bool:
         """Whether this manager holds a reference to block ``b`` (lock held):
-        a loose one, or one in a table it owns.
-
-        Tables are looked at through ``_tcache`` (table -> (rid hash, (head,
-        tail, length) when read, {block: word})): a table's map is re-read
-        when its list changed, and a word found is re-checked. A block
-        found in no map is looked for once more in maps all read afresh (a
-        copy-on-write rewrites an id in place).
-        """
-        if self._refs.loose.count(b):
-            return True
-        return self._in_own_table(b, 1) or self._in_own_table(b, 2)
+        ``holder.Holder.holds``."""
+        return self._h.holds(b)
 
     def _holds_fast(self, b: int) -> bool:
-        """``_holds`` without the lock, from what is known already: True only
-        for a loose reference or a table map that is still current (False
-        means "ask ``_holds``")."""
-        return (self._epoch == self._p.c[L.C_EPOCH]
-                and (self._refs.loose.count(b) > 0 or self._in_own_table(b, 0)))
-
-    def _in_own_table(self, b: int, read: int) -> bool:
-        # read: 0 maps as they are (a changed table is skipped), 1 re-read
-        # the changed ones, 2 re-read all
-        p = self._p
-        st, ow, rh = p.t_state, p.t_owner, p.t_rhash
-        cache = self._tcache
-        for t in list(cache):
-            entry = cache.get(t)        # (another thread may drop it meanwhile)
-            if entry is None:
-                continue
-            h, key, recs = entry
-            if st[t] != 1 or ow[t] != p.slot or rh[t] != h:
-                if read:
-                    cache.pop(t, None)
-                continue
-            cur = (p.t_head[t], p.t_tail[t], p.t_len[t])
-            if read == 2 or cur != key:
-                if not read:
-                    continue
-                words = self._refs.table_words(t)
-                kw = p.kw
-                recs = {kw[g]: g for g in words}
-                cache[t] = (h, cur, recs)
-            g = recs.get(b)
-            if g is not None and p.kw[g] == b:
-                return True
-        return False
+        """``_holds`` without the lock (False means "ask ``_holds``")."""
+        return self._h.holds_fast(b)
 
     def _table_add(self, table, block, tokens_in_block: int, set_block_tokens=True,
                    count_tokens=False) -> None:

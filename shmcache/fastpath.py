@@ -21,31 +21,32 @@ from .layout import held_mark
 from .reclaim import release_block
 
 
-def alloc_loose(mgr, n: int) -> list:
-    """Pop ``n`` blocks into this manager's loose references, in free-list
-    order (the caller checked that they are free and the chunks suffice)."""
+def alloc_loose(holder, pop_free, n: int) -> list:
+    """Pop ``n`` blocks (``pop_free()``: one off the free list, counted
+    once) into ``holder``'s loose references, in free-list order (the
+    caller checked that they are free and the chunks suffice)."""
     ids = []
-    p = mgr._p
+    p, refs = holder.pool, holder.refs
     mark = held_mark(p.slot, p.layout.max_slots)
     for _ in range(n):
-        b = mgr._pop_free()
+        b = pop_free()
         p.b_prev[b] = mark          # allocated loose: the owner may reserve it
-        mgr._refs.add_loose(b)
+        refs.add_loose(b)
         ids.append(b)
     return ids
 
 
-def free_loose(mgr, ids) -> int:
-    """Drop one loose reference per id, in order (the caller checked they
-    are held).
+def free_loose(holder, free_queue, ids) -> int:
+    """Drop one of ``holder``'s loose references per id, in order (the
+    caller checked they are held), returning blocks to ``free_queue``.
 
     Returns:
         How many blocks became free.
     """
-    p, refs, fq = mgr._p, mgr._refs, mgr._fq
+    p, refs = holder.pool, holder.refs
     freed = 0
     for b in ids:
         refs.drop_loose(b)
-        release_block(p, fq, b)
+        release_block(p, free_queue, b)
         freed += p.b_ref[b] == 0
     return freed

@@ -28,6 +28,7 @@ from .slots import UNRECORDED_OWNER_S, lock_owner_problem, thread_status
 from .errors import CorruptPoolError, IncompatiblePoolError
 from .lock import MUTEX_MAP_SIZE, open_mutex
 from .platform import byte_held_by_other
+from .pool import MappedViews, block_usage, prefix_hit_rate  # noqa: F401 (named here too)
 
 STAT_KEYS = ("allocated_blocks", "free_blocks", "shared_blocks", "cached_blocks",
              "total_tokens_cached", "tokens_held", "cache_hits", "cache_misses",
@@ -51,33 +52,6 @@ def process_alive(pid: int, start_time: float) -> bool:
     except psutil.AccessDenied:
         return True  # exists, owned by someone else: assume it is the one
     return start_time <= 0 or abs(ct - start_time) < 0.05
-
-
-def block_usage(ref_count, flags) -> dict:
-    """The one definition of a pool's block figures, for ``shmcache inspect``
-    and ``/metrics`` (``shmcache_pool_blocks_*``), from the blocks' reference
-    counts and flags (arrays over the blocks):
-
-    * block 0, the null block (always referenced, never cached), is left out;
-    * ``blocks_used``: referenced by some table or process;
-    * ``blocks_cached``: holding published prefix data (referenced or not: an
-      unreferenced cached block sits on the free list, evicted when taken);
-    * ``blocks_free``: neither: holding nothing at all;
-    * ``blocks_total``: the pool's blocks but the null block.
-
-    Unused + cached = total when nothing is in use."""
-    ref = ref_count[1:] > 0
-    cached = (flags[1:] & L.FLAG_CACHED) != 0
-    return {"blocks_total": int(ref.size), "blocks_used": int(ref.sum()),
-            "blocks_cached": int(cached.sum()), "blocks_free": int((~ref & ~cached).sum())}
-
-
-def prefix_hit_rate(hits: int, misses: int) -> float:
-    """The one definition of the pool's prefix hit rate, for ``shmcache
-    inspect`` and ``/metrics`` (``shmcache_pool_prefix_hit_rate``): the
-    prompt blocks found in the cache over the prompt blocks looked up, since
-    the pool was made (the pool's own counters; 0 before any lookup)."""
-    return hits / (hits + misses) if hits + misses else 0.0
 
 
 def _loose_and_reserved(slots, s: int) -> dict:
@@ -291,7 +265,6 @@ class PoolView:
             recovery.scan_stats of the copy, "tables": int, "holders":
             [holdings]}.
         """
-        from .pool import Pool
         lay, c = self.layout, self.c
         deadline = time.monotonic() + settle
         while True:
@@ -307,7 +280,7 @@ class PoolView:
                 break
             time.sleep(0.001)
         snap = _Snapshot(self.name, lay, bytearray(data))
-        Pool._map_views(snap, arena=False)
+        snap.map_views(arena=False)
         problems = recovery.check(snap)
         # what a copy cannot show: a claim or a lock word that does not move
         problems += self.stuck_claims()
@@ -365,7 +338,7 @@ class PoolView:
         self.close()
 
 
-class _Snapshot:
+class _Snapshot(MappedViews):
     """A private copy of a pool's metadata with a Pool's views over it, for
     ``recovery.check``; corruption met reading it is only reported."""
 

@@ -27,7 +27,7 @@ import logging
 import os
 import secrets
 import weakref
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from . import layout as L
 from . import reserve
@@ -36,6 +36,7 @@ from .blocks import (BlockHash, BlockHashToBlockMap, BlockTable, CacheBlock, Cac
                      FreeKVCacheBlockQueue, KVCacheBlock, compute_block_hash)
 from .errors import CapacityError, OutOfBlocksError
 from .freelist import SharedFreeQueue
+from .holder import Holder
 from .index import PrefixIndex
 from .fastpath import alloc_loose, free_loose
 from .kv_ops import KVOps
@@ -43,8 +44,6 @@ from .pool import Pool
 from .reclaim import close as _close
 from .prefix import PrefixOps
 from .tables import TableOps
-from .table_chains import TableChains
-from .refs import RefStore
 from .seed_views import (AllocatedBlocksView, BlocksView, LegacyHashView, RequestTablesView,
                          SeedFreeQueue, SharedHashMap, SharedStats)
 from .views import SharedBlock
@@ -75,6 +74,8 @@ class PagedCacheManager(TableOps, PrefixOps, KVOps, AdminOps):
         InsufficientSharedMemoryError: /dev/shm cannot hold the pool.
     """
 
+    l2: Any     # the L2 tier of a named pool's manager (shmcache._with_l2 sets it)
+
     def __init__(self, block_size: int = 64, max_blocks: int = 1000,
                  enable_caching: bool = True, *, _pool: Optional[Pool] = None, **layout):
         if _pool is None:
@@ -87,13 +88,9 @@ class PagedCacheManager(TableOps, PrefixOps, KVOps, AdminOps):
         self.block_size = lay.block_size
         self.max_blocks = lay.max_blocks
         self.enable_caching = lay.enable_caching
-        self._refs = RefStore(p)
-        self._tcache: Dict[int, tuple] = {}     # tables created here (see _holds)
-        self._chains = TableChains()            # prefix positions of appended blocks
-        self._cdata: Dict[int, tuple] = {}      # block -> (generation, cache_data)
-        self._cdata_prune = 64
-        self._epoch = p.c[L.C_EPOCH]
+        self._h = Holder(p)                     # this process's references, epoch, maps
         self._fq = SharedFreeQueue(p)
+        self._reserves = reserve.Reserves(p, self._h, self._fq)
         self._root = p.seed
         self._index = PrefixIndex(p)
         self._tindex = p.tindex
@@ -130,7 +127,7 @@ class PagedCacheManager(TableOps, PrefixOps, KVOps, AdminOps):
             except CapacityError as e:
                 logger.warning("Out of cache blocks: %s", e)
                 return None
-            b = alloc_loose(self, 1)[0]
+            b = alloc_loose(self._h, self._pop_free, 1)[0]
         return SharedBlock(self, b)
 
     def _native(self, op, arg):
@@ -170,7 +167,7 @@ class PagedCacheManager(TableOps, PrefixOps, KVOps, AdminOps):
                 raise OutOfBlocksError(f"Cannot allocate {num_blocks} blocks, only "
                                        f"{self._p.c[L.C_NUM_FREE]} available")
             self._refs.need(num_blocks)
-            ids = alloc_loose(self, num_blocks)
+            ids = alloc_loose(self._h, self._pop_free, num_blocks)
         return [SharedBlock(self, b) for b in ids]
 
     def _maybe_evict_cached_block(self, block: CacheBlock) -> bool:
@@ -209,7 +206,7 @@ class PagedCacheManager(TableOps, PrefixOps, KVOps, AdminOps):
             if not self._loose_held(b):
                 raise ValueError(f"double free of block {b}: this manager holds no reference "
                                  "to it outside its block tables")
-            return free_loose(self, (b,)) == 1
+            return free_loose(self._h, self._fq, (b,)) == 1
 
     def free_block_batch(self, blocks) -> None:
         """Free several blocks, in the given order (the seed's unreachable batch free).
@@ -227,7 +224,7 @@ class PagedCacheManager(TableOps, PrefixOps, KVOps, AdminOps):
             self._sync()
             if len(set(ids)) != len(ids) or not all(self._loose_held(b) for b in ids):
                 self._check_batch_free(ids)
-            free_loose(self, ids)
+            free_loose(self._h, self._fq, ids)
 
     def _check_batch_free(self, ids) -> None:
         need: Dict[int, int] = {}
@@ -307,8 +304,7 @@ class PagedCacheManager(TableOps, PrefixOps, KVOps, AdminOps):
 
     def _loose_held(self, b: int) -> int:
         # loose references held, less the one of a block in this reserve (freed)
-        p = self._p
-        return self._refs.loose.count(b) - int(p.b_prev[b] == L.stash_mark(p.slot))
+        return self._h.loose_held(b)
 
     def set_reserve(self, n: int) -> None:
         """Keep up to ``n`` blocks this manager frees for its own next
@@ -338,7 +334,7 @@ class PagedCacheManager(TableOps, PrefixOps, KVOps, AdminOps):
         if dropped:
             with p.lock:
                 self._sync()
-                reserve.drain_own(self, dropped)
+                self._reserves.drain_own(dropped)
 
     @property
     def reserve_size(self) -> int:
@@ -352,6 +348,16 @@ class PagedCacheManager(TableOps, PrefixOps, KVOps, AdminOps):
         return 0.0 if total == 0 else 1.0 - self.free_blocks / total
 
     # ================================================================ lifetime
+    @property
+    def pool(self) -> Pool:
+        """The internal seam (not the seed's API): the ``Pool`` this manager
+        works on, for ``/metrics`` and the CLI (``pool.gauges()``), tools and
+        tests. Its arrays belong to the modules that own them (layout.py's
+        byte map says which); code outside them reads the named accessors
+        (``gauges``, the counter properties). Tests may read ``_p``, the
+        same object, where they must."""
+        return self._p
+
     @property
     def layout(self) -> L.Layout:
         return self._p.layout

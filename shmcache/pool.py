@@ -14,12 +14,14 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Any
 
 import numpy as np
 
 from . import layout as L
 from . import claims, recovery, segment
 from .reclaim import reclaim_dead_slots
+from .reserve import reserved_total
 from .index import OpenIndex
 from .errors import CorruptPoolError, PoolClosedError
 from .lock import PoolLock, open_hot
@@ -36,7 +38,152 @@ def _positive_int(name: str, v, minimum: int = 1) -> int:
     return int(v)
 
 
-class Pool(SlotOps):
+def block_usage(ref_count, flags) -> dict:
+    """The one definition of a pool's block figures, for ``shmcache inspect``
+    and ``/metrics`` (``shmcache_pool_blocks_*``), from the blocks' reference
+    counts and flags (arrays over the blocks):
+
+    * block 0, the null block (always referenced, never cached), is left out;
+    * ``blocks_used``: referenced by some table or process;
+    * ``blocks_cached``: holding published prefix data (referenced or not: an
+      unreferenced cached block sits on the free list, evicted when taken);
+    * ``blocks_free``: neither: holding nothing at all;
+    * ``blocks_total``: the pool's blocks but the null block.
+
+    Unused + cached = total when nothing is in use."""
+    ref = ref_count[1:] > 0
+    cached = (flags[1:] & L.FLAG_CACHED) != 0
+    return {"blocks_total": int(ref.size), "blocks_used": int(ref.sum()),
+            "blocks_cached": int(cached.sum()), "blocks_free": int((~ref & ~cached).sum())}
+
+
+def prefix_hit_rate(hits: int, misses: int) -> float:
+    """The one definition of the pool's prefix hit rate, for ``shmcache
+    inspect`` and ``/metrics`` (``shmcache_pool_prefix_hit_rate``): the
+    prompt blocks found in the cache over the prompt blocks looked up, since
+    the pool was made (the pool's own counters; 0 before any lookup)."""
+    return hits / (hits + misses) if hits + misses else 0.0
+
+
+class MappedViews:
+    """The segment's structures as numpy arrays and memoryviews over one
+    buffer (``map_views``): what ``Pool`` works on, and what a snapshot
+    (``inspect_pool.PoolView.check``: a private copy of the metadata, read
+    only by ``recovery.check``) builds over its copy. ``corrupt`` is the
+    subclass's (the index views report corruption through it).
+
+    Only the counters have named accessors (``gauges``, the properties
+    below); the arrays are the owner modules' (layout.py's byte map).
+    """
+
+    name: str
+    layout: L.Layout
+    mm: Any
+    corrupt: Any
+
+    def map_views(self, arena: bool = True) -> None:
+        """Build the views over ``self.mm`` (the segment, or a private copy
+        of its metadata) that ``self.layout`` describes; without ``arena``
+        the K/V arena is left unmapped (``arena`` is None)."""
+        lay, mm = self.layout, self.mm
+        self.raw = memoryview(mm)
+        self.header = np.frombuffer(mm, L.HEADER_DTYPE, 1, 0)
+        self.counters = np.frombuffer(mm, np.int64, L.NUM_COUNTERS, lay.counters_off)
+        self.c = memoryview(self.counters)
+        self.slots = np.frombuffer(mm, L.SLOT_DTYPE, lay.max_slots, lay.slots_off)
+        self.blocks = np.frombuffer(mm, L.BLOCK_DTYPE, lay.max_blocks + 2, lay.blocks_off)
+        self.hidx = np.frombuffer(mm, np.int32, lay.hash_capacity, lay.hash_off)
+        self.chunks = np.frombuffer(mm, L.CHUNK_DTYPE, lay.num_chunks, lay.refs_off)
+        kw = np.frombuffer(mm, np.int32, lay.num_chunks * L.CHUNK_WORDS, lay.refs_off)
+        self.kmat = kw.reshape(lay.num_chunks, L.CHUNK_WORDS)   # [chunk, 0]: link
+        self.kw = memoryview(kw)                               # the chunk area as words
+        self.tables = np.frombuffer(mm, L.TABLE_DTYPE, lay.max_tables, lay.tables_off)
+        self.tidx = np.frombuffer(mm, np.int32, lay.table_capacity, lay.tindex_off)
+        b = self.blocks
+        self.b_ref = memoryview(b["ref_count"])
+        self.b_prev = memoryview(b["prev"])
+        self.b_next = memoryview(b["next"])
+        self.b_flags = memoryview(b["flags"])
+        self.b_tok = memoryview(b["token_count"])
+        self.b_last = memoryview(b["last_access"])
+        self.b_gen = memoryview(b["gen"])
+        t = self.tables
+        self.t_state = memoryview(t["state"])
+        self.t_owner = memoryview(t["owner"])
+        self.t_head = memoryview(t["head"])
+        self.t_tail = memoryview(t["tail"])
+        self.t_len = memoryview(t["length"])
+        self.t_tok = memoryview(t["num_tokens"])
+        self.t_rhash = memoryview(t["rid_hash"])
+        self.t_claim = memoryview(t["claim"])
+        self.s_head = memoryview(self.slots["loose_head"])
+        self.s_count = memoryview(self.slots["loose_count"])
+        raw = self.raw
+        boff = lay.blocks_off + L.BLOCK_HASH_OFF
+        isz = L.BLOCK_DTYPE.itemsize
+        self.hhome = lambda e: int.from_bytes(raw[boff + e * isz: boff + e * isz + 8], "little")
+        self.hindex = OpenIndex(memoryview(self.hidx), self.hhome,
+                                lambda e, key: raw[boff + e * isz: boff + e * isz + 16] == key,
+                                lay.max_blocks, self.corrupt, "prefix index")
+        rids, rhash = self.tables["request_id"], self.tables["rid_hash"]
+        self.tindex = OpenIndex(memoryview(self.tidx), lambda e: int(rhash[e]),
+                                lambda e, key: rids[e] == key,
+                                lay.max_tables, self.corrupt, "table index")
+        self.HEAD = lay.max_blocks
+        self.TAIL = lay.max_blocks + 1
+        h = self.header[0]
+        self.created_at = float(h["created_at"])
+        self.seed = bytes(h["seed"])
+        if lay.num_layers and arena:
+            np_dtype = L.KV_DTYPES[lay.dtype].np_dtype
+            self.arena = np.frombuffer(mm, np_dtype, int(np.prod(lay.arena_shape)),
+                                       lay.arena_off).reshape(lay.arena_shape)
+        else:
+            self.arena = None
+
+    # ================================================================ counters
+    @property
+    def num_free(self) -> int:
+        """Blocks in the free list (reserved ones not counted: ``gauges``)."""
+        return int(self.c[L.C_NUM_FREE])
+
+    @property
+    def num_tables(self) -> int:
+        return int(self.c[L.C_NUM_TABLES])
+
+    @property
+    def epoch(self) -> int:
+        return int(self.c[L.C_EPOCH])
+
+    @property
+    def dirty(self) -> bool:
+        return bool(self.c[L.C_DIRTY])
+
+    def gauges(self) -> dict:
+        """The pool's figures by name for ``/metrics`` and the CLI, read
+        without the lock (statistics: each counter is one aligned word,
+        never torn; the set is not one instant): ``block_usage``'s
+        blocks_total/used/cached/free; free_list_blocks and
+        reserved_blocks; tables, hits, misses, prefix_hit_rate, cow,
+        evictions, ops (lock holds), recoveries, reclaimed_refs,
+        lock_wait_max_s, lock_turns, lock_queue, dirty, free_ref_chunks."""
+        c, n = self.c, self.layout.max_blocks
+        b = self.blocks
+        g = block_usage(b["ref_count"][:n], b["flags"][:n])
+        hits, misses = int(c[L.C_HITS]), int(c[L.C_MISSES])
+        g.update(free_list_blocks=int(c[L.C_NUM_FREE]), reserved_blocks=reserved_total(self),
+                 tables=int(c[L.C_NUM_TABLES]), hits=hits, misses=misses,
+                 prefix_hit_rate=prefix_hit_rate(hits, misses), cow=int(c[L.C_COW]),
+                 evictions=int(c[L.C_EVICTIONS]), ops=int(c[L.C_OPS]),
+                 recoveries=int(c[L.C_RECOVERIES]), reclaimed_refs=int(c[L.C_RECLAIMED]),
+                 lock_wait_max_s=int(c[L.C_LOCK_WAIT_NS]) / 1e9,
+                 lock_turns=int(c[L.C_TURN_NEXT]),
+                 lock_queue=max(0, int(c[L.C_TURN_NEXT]) - int(c[L.C_TURN_NOW])),
+                 dirty=bool(c[L.C_DIRTY]), free_ref_chunks=int(c[L.C_FREE_REFS]))
+        return g
+
+
+class Pool(SlotOps, MappedViews):
     """One manager's view of a pool segment (not thread-safe by itself;
     callers hold ``lock``)."""
 
@@ -52,7 +199,7 @@ class Pool(SlotOps):
         self._repairing = False
         self.slot = -1
         self.live_fd = liveness_fd(fd)
-        self._map_views()
+        self.map_views()
         # the pool mutex and the fused operations (C, or ctypes + fastpath)
         self.native = self._open_native()
         self.lock = PoolLock(self.native, self.c, self._on_dirty)
@@ -157,63 +304,6 @@ class Pool(SlotOps):
             pool.unmap()
             raise
         return pool
-
-    def _map_views(self, arena: bool = True) -> None:
-        lay, mm = self.layout, self.mm
-        self.raw = memoryview(mm)
-        self.header = np.frombuffer(mm, L.HEADER_DTYPE, 1, 0)
-        self.counters = np.frombuffer(mm, np.int64, L.NUM_COUNTERS, lay.counters_off)
-        self.c = memoryview(self.counters)
-        self.slots = np.frombuffer(mm, L.SLOT_DTYPE, lay.max_slots, lay.slots_off)
-        self.blocks = np.frombuffer(mm, L.BLOCK_DTYPE, lay.max_blocks + 2, lay.blocks_off)
-        self.hidx = np.frombuffer(mm, np.int32, lay.hash_capacity, lay.hash_off)
-        self.chunks = np.frombuffer(mm, L.CHUNK_DTYPE, lay.num_chunks, lay.refs_off)
-        kw = np.frombuffer(mm, np.int32, lay.num_chunks * L.CHUNK_WORDS, lay.refs_off)
-        self.kmat = kw.reshape(lay.num_chunks, L.CHUNK_WORDS)   # [chunk, 0]: link
-        self.kw = memoryview(kw)                               # the chunk area as words
-        self.tables = np.frombuffer(mm, L.TABLE_DTYPE, lay.max_tables, lay.tables_off)
-        self.tidx = np.frombuffer(mm, np.int32, lay.table_capacity, lay.tindex_off)
-        b = self.blocks
-        self.b_ref = memoryview(b["ref_count"])
-        self.b_prev = memoryview(b["prev"])
-        self.b_next = memoryview(b["next"])
-        self.b_flags = memoryview(b["flags"])
-        self.b_tok = memoryview(b["token_count"])
-        self.b_last = memoryview(b["last_access"])
-        self.b_gen = memoryview(b["gen"])
-        t = self.tables
-        self.t_state = memoryview(t["state"])
-        self.t_owner = memoryview(t["owner"])
-        self.t_head = memoryview(t["head"])
-        self.t_tail = memoryview(t["tail"])
-        self.t_len = memoryview(t["length"])
-        self.t_tok = memoryview(t["num_tokens"])
-        self.t_rhash = memoryview(t["rid_hash"])
-        self.t_claim = memoryview(t["claim"])
-        self.s_head = memoryview(self.slots["loose_head"])
-        self.s_count = memoryview(self.slots["loose_count"])
-        raw = self.raw
-        boff = lay.blocks_off + L.BLOCK_HASH_OFF
-        isz = L.BLOCK_DTYPE.itemsize
-        self.hhome = lambda e: int.from_bytes(raw[boff + e * isz: boff + e * isz + 8], "little")
-        self.hindex = OpenIndex(memoryview(self.hidx), self.hhome,
-                                lambda e, key: raw[boff + e * isz: boff + e * isz + 16] == key,
-                                lay.max_blocks, self.corrupt, "prefix index")
-        rids, rhash = self.tables["request_id"], self.tables["rid_hash"]
-        self.tindex = OpenIndex(memoryview(self.tidx), lambda e: int(rhash[e]),
-                                lambda e, key: rids[e] == key,
-                                lay.max_tables, self.corrupt, "table index")
-        self.HEAD = lay.max_blocks
-        self.TAIL = lay.max_blocks + 1
-        h = self.header[0]
-        self.created_at = float(h["created_at"])
-        self.seed = bytes(h["seed"])
-        if lay.num_layers and arena:
-            np_dtype = L.KV_DTYPES[lay.dtype].np_dtype
-            self.arena = np.frombuffer(mm, np_dtype, int(np.prod(lay.arena_shape)),
-                                       lay.arena_off).reshape(lay.arena_shape)
-        else:
-            self.arena = None
 
     def _initialise(self) -> None:
         lay = self.layout

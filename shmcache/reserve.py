@@ -10,7 +10,7 @@ in the slot's ``reserved`` and as free. This module is the rest, always with
 the pool lock held:
 
 - a reserve gives its blocks up when the free list runs short
-  (``take_from_reserves``, from ``PoolOps._ensure_free``), when one of its
+  (``Reserves.take_from_reserves``, from ``PoolOps._ensure_free``), when one of its
   blocks is referenced by id (``take_block``), or when it shrinks;
 - a slot that is released (its process closed or died) frees its reserve
   with the rest of its loose references (``reclaim.release_slot_holdings``
@@ -45,61 +45,68 @@ def reserved_total(p) -> int:
     return int(np.maximum(p.slots["reserved"][live], 0).sum(dtype=np.int64))
 
 
-def _take_out(mgr, slot: int, blocks) -> int:
-    """Take ``blocks`` out of ``slot``'s reserve and free them: the ones its
-    owner did not take back first. Returns how many."""
-    p = mgr._p
-    unstash = getattr(p.native, "unstash", None)
-    if unstash is None:
-        return 0        # (SHMCACHE_PURE: no compare-and-swap; they stay reserved)
-    taken = [b for b in blocks if unstash(b, slot)]
-    if not taken:
-        return 0
-    if slot == p.slot:
+class Reserves:
+    """The reserves as seen from one holder (lock held for every method):
+    taking blocks out of them and freeing them. Its collaborators: the
+    pool, this process's ``holder.Holder`` and the free list."""
+
+    def __init__(self, pool, holder, free_queue) -> None:
+        self.pool = pool
+        self.holder = holder
+        self.free_queue = free_queue
+
+    def _take_out(self, slot: int, blocks) -> int:
+        """Take ``blocks`` out of ``slot``'s reserve and free them: the ones its
+        owner did not take back first. Returns how many."""
+        p, refs = self.pool, self.holder.refs
+        unstash = getattr(p.native, "unstash", None)
+        if unstash is None:
+            return 0        # (SHMCACHE_PURE: no compare-and-swap; they stay reserved)
+        taken = [b for b in blocks if unstash(b, slot)]
+        if not taken:
+            return 0
+        if slot == p.slot:
+            for b in taken:
+                refs.drop_loose(b)
+        else:
+            refs.drop_slot_ids(slot, taken)
+            # the owner's map of its list is stale; ours is not (our list did not move)
+            self.holder.bump_epoch()
+        fq = self.free_queue
         for b in taken:
-            mgr._refs.drop_loose(b)
-    else:
-        mgr._refs.drop_slot_ids(slot, taken)
-        # the owner's map of its list is stale; ours is not (our list did not move)
-        p.c[L.C_EPOCH] += 1
-        mgr._epoch = p.c[L.C_EPOCH]
-    fq = mgr._fq
-    for b in taken:
-        release_block(p, fq, b)
-    return len(taken)
+            release_block(p, fq, b)
+        return len(taken)
 
+    def take_from_reserves(self, need: int) -> int:
+        """Free up to ``need`` blocks out of the reserves: this process's
+        first, then the others'. Returns how many were freed."""
+        p, refs = self.pool, self.holder.refs
+        if getattr(p.native, "unstash", None) is None:
+            return 0
+        got = 0
+        slots = [p.slot] + [s for s in np.flatnonzero(p.slots["state"] == 1).tolist()
+                            if s != p.slot]
+        for s in slots:
+            if got >= need:
+                break
+            if s < 0 or p.slots["reserved"][s] <= 0:
+                continue
+            mark = L.stash_mark(s)
+            ids = refs.blocks_at(refs.slot_words(s), "slot {}'s loose list", s)
+            mine = [b for b in ids if p.b_prev[b] == mark][:need - got]
+            got += self._take_out(s, mine)
+        return got
 
-def take_from_reserves(mgr, need: int) -> int:
-    """Free up to ``need`` blocks out of the reserves (lock held): this
-    process's first, then the others'. Returns how many were freed."""
-    p = mgr._p
-    if getattr(p.native, "unstash", None) is None:
-        return 0
-    got = 0
-    slots = [p.slot] + [s for s in np.flatnonzero(p.slots["state"] == 1).tolist() if s != p.slot]
-    for s in slots:
-        if got >= need:
-            break
-        if s < 0 or p.slots["reserved"][s] <= 0:
-            continue
-        mark = L.stash_mark(s)
-        ids = mgr._refs.blocks_at(mgr._refs.slot_words(s), "slot {}'s loose list", s)
-        mine = [b for b in ids if p.b_prev[b] == mark][:need - got]
-        got += _take_out(mgr, s, mine)
-    return got
+    def take_block(self, b: int) -> bool:
+        """Take block ``b`` out of whichever reserve holds it, so that it can be
+        referenced by id. Whether it was in one."""
+        s = stash_slot(self.pool, b)
+        return s >= 0 and self._take_out(s, [b]) == 1
 
-
-def take_block(mgr, b: int) -> bool:
-    """Take block ``b`` out of whichever reserve holds it, so that it can be
-    referenced by id (lock held). Whether it was in one."""
-    s = stash_slot(mgr._p, b)
-    return s >= 0 and _take_out(mgr, s, [b]) == 1
-
-
-def drain_own(mgr, blocks) -> int:
-    """Free ``blocks`` of this process's reserve (ones its reserve list let
-    go: ``set_reserve`` to fewer), under the lock."""
-    return _take_out(mgr, mgr._p.slot, blocks)
+    def drain_own(self, blocks) -> int:
+        """Free ``blocks`` of this process's reserve (ones its reserve list let
+        go: ``set_reserve`` to fewer)."""
+        return self._take_out(self.pool.slot, blocks)
 
 
 def valid_marks(p, owners) -> np.ndarray:

@@ -23,6 +23,7 @@ import logging
 import os
 import time
 import weakref
+from typing import Any
 
 import numpy as np
 import psutil
@@ -139,6 +140,17 @@ class SlotOps:
     only after its holdings are released (``reclaim``), never with its
     references in it. Slots are claimed under the pool lock.
     """
+
+    # (Pool's, set in Pool.__init__ and Pool._map_views)
+    name: str
+    fd: int
+    live_fd: int
+    layout: Any
+    slot: int
+    slots: Any
+    c: Any
+    native: Any
+    lock: Any
 
     def _liveness_off(self, slot: int) -> int:
         return L.LIVENESS_OFF + slot

@@ -6,6 +6,8 @@ shared memory, so two processes looking at block 7 see the same thing.
 
 from __future__ import annotations
 
+from typing import Any
+
 from .blocks import BlockTable, CacheBlock
 from .layout import FLAG_NULL
 
@@ -183,6 +185,12 @@ class SharedBlockTable(BlockTable):
     ``block_ids`` is a ``TableBlockIds`` read from the pool on each access:
     its mutations change the table.
     """
+
+    # (set once in __init__, past the dataclass's own fields)
+    _m: Any         # the manager (core.PoolOps) whose table this is
+    _t: int         # the table's record
+    _rid: str
+    _rh: int        # the request id's hash: the record is this table while it matches
 
     def __init__(self, mgr, t: int, request_id: str, rid_hash: int) -> None:  # noqa
         object.__setattr__(self, "_m", mgr)

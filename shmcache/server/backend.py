@@ -45,8 +45,6 @@ import random
 from pathlib import Path
 from typing import AsyncIterator, Optional
 
-from .. import layout as L
-from ..inspect_pool import block_usage, prefix_hit_rate
 from . import wire
 from .protocol import Error, SampleDone, SamplingParams, Started, Tokens
 from .worker_procs import WorkerLifecycle, WorkerProc
@@ -228,19 +226,16 @@ class WorkerBackend(WorkerLifecycle):
         # neither says what the prefix cache holds. Count the flags instead.
         # NOTE: read without the pool lock: a scrape must not hold up the
         # workers for a scan of every block, and a gauge may be a moment stale.
-        # (the definitions are inspect_pool's, shared with `shmcache inspect`)
+        # (Pool.gauges: the definitions `shmcache inspect` uses too)
         n = m.max_blocks
-        blocks = block_usage(m._p.blocks["ref_count"][:n], m._p.blocks["flags"][:n])
-        used, n_cached, free = blocks["blocks_used"], blocks["blocks_cached"], blocks["blocks_free"]
+        g = m.pool.gauges()
+        used, n_cached, free = g["blocks_used"], g["blocks_cached"], g["blocks_free"]
         held = n - 1 - free
-        lay = m.layout
-        per_block = lay.block_bytes
-        c = m._p.c                          # (aligned int64s: never torn)
+        per_block = m.layout.block_bytes
         out = dict(blocks_total=n - 1, blocks_used=used, blocks_free=free, blocks_cached=n_cached,
-                   pool_kv_bytes=held * per_block, lock_holds=int(c[L.C_OPS]),
-                   pool_prefix_hit_rate=prefix_hit_rate(int(c[L.C_HITS]), int(c[L.C_MISSES])),
-                   lock_wait_max=int(c[L.C_LOCK_WAIT_NS]) / 1e9,
-                   lock_queue=max(0, int(c[L.C_TURN_NEXT]) - int(c[L.C_TURN_NOW])),
+                   pool_kv_bytes=held * per_block, lock_holds=g["ops"],
+                   pool_prefix_hit_rate=g["prefix_hit_rate"],
+                   lock_wait_max=g["lock_wait_max_s"], lock_queue=g["lock_queue"],
                    preemptions=sum(w.preemptions for w in self.workers),
                    worker_restarts=self.restarts,
                    workers_alive=sum(1 for w in self.workers if w.ready.is_set()

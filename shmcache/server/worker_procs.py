@@ -37,7 +37,8 @@ import os
 import signal
 import sys
 import time
-from typing import Callable, Optional
+from pathlib import Path
+from typing import Any, Callable, Optional
 
 import msgspec
 
@@ -184,6 +185,23 @@ class WorkerLifecycle:
     startup_cancelled: Callable[[], bool] = staticmethod(lambda: False)
     context_length: Optional[int] = None      # the model's, from its config (None: unknown)
     max_working_bytes: Optional[int] = None   # per worker (None: default_working_bytes)
+
+    # set by WorkerBackend.__init__ (backend.py), which also has _on and _dispatch
+    path: Path
+    n_workers: int
+    block_size: int
+    max_batch: int
+    prefill_step: int
+    pool_name: str
+    restarts: int
+    l2_url: Optional[str]
+    l2_timeout: Optional[float]
+    l2_retry: Optional[float]
+    l2_ttl: Optional[int]
+    l2_shared: bool
+    _l2_secret: Optional[bytes]
+    _on: Callable[..., None]
+    _dispatch: Callable[..., Any]
 
     def working_bytes_limit(self) -> int:
         """Each worker's limit on working K/V buffer bytes (``--max-working-bytes``)."""

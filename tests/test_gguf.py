@@ -111,6 +111,62 @@ def test_smollm2_greedy_through_the_pool_cold_and_warm(smollm, pools):
     seq.release()
 
 
+@pytest.mark.timeout(300)
+def test_smollm2_batched_through_the_engine_equals_mlx_lm(smollm, pools):
+    """Three chats with one system message through the serving engine: the
+    first computes the shared prefix, the other two find it in the pool and
+    are decoded together in one batch; every reply is mlx-lm's own greedy
+    one (``generate_step``, its default prefill step)."""
+    from mlx_lm.generate import generate_step
+
+    from shmcache import mlx_lm as P
+    from shmcache.server.engine import Engine
+    from shmcache.server.protocol import SamplingParams
+    from shmcache.server.wire import Gen
+    _, model, tok = smollm
+    system = {"role": "system", "content": "You are a concise assistant. Answer in one "
+                                           "short sentence, and never add anything else."}
+    chats = [[system, {"role": "user", "content": q}] for q in
+             ("What is the capital of France?", "How many days are in a week?",
+              "Name a primary color.")]
+    prompts = [_chat_prompt(tok, c) for c in chats]
+    n = 12
+    want = [[int(t) for t, _ in generate_step(mx.array(p), model, max_tokens=n)]
+            for p in prompts]
+    mgr = pools(block_size=BS, max_blocks=256, **P.pool_layout(model))
+    got: dict = {}
+    admitted: dict = {}
+
+    def emit(kind, payload):
+        if kind == "step":
+            for rid, _, t, *_ in payload:
+                got.setdefault(rid, []).append(t)
+        elif kind == "admitted":
+            admitted[payload[0]] = payload[2]
+        elif kind == "failed":
+            raise AssertionError(payload)
+
+    eng = Engine(mgr, model, [], emit)
+    try:
+        def run():
+            for _ in range(200):
+                if not eng.busy:
+                    return
+                eng.step()
+            raise AssertionError("the engine did not finish")
+
+        eng.submit(Gen(0, prompts[0], SamplingParams(max_tokens=n, temperature=0.0), 1))
+        run()
+        for i in (1, 2):
+            eng.submit(Gen(i, prompts[i], SamplingParams(max_tokens=n, temperature=0.0), 1))
+        run()
+    finally:
+        eng.close()
+    assert [got[i] for i in range(3)] == want
+    assert admitted[0] == 0 and admitted[1] > 0 and admitted[2] > 0
+    assert "Paris" in tok.decode(got[0])
+
+
 @pytest.mark.timeout(120)
 def test_smollm2_quantized_keeps_q8_embedding_override(tmp_path):
     path = convert(smollm_gguf(), tmp_path / "q", quantized=True, log=None)

@@ -103,7 +103,7 @@ def test_a_long_prefill_shares_every_step_with_running_decodes(lm, pools):  # no
     long = [rng.randrange(vocab) for _ in range(10 * BS + 5)]
     eng.submit(gen(1, short, 40))
     eng.step()
-    assert len(ev.tokens[1]) == 2                   # prefilled, then one decode step
+    assert len(ev.tokens[1]) == 1       # prompt[:-1] prefilled, the last token in the decode step
     eng.submit(gen(2, long, 4))
     steps = 0
     before = 0

@@ -17,12 +17,15 @@ mlx-lm models.
 
 What is checked: preemption takes the newest request first and re-queues it
 at the head; seeded sampling gives the same tokens after a preemption; the
-samples of an ``n > 1`` request fork one prefill; no step computes more than
+samples of an ``n > 1`` request fork one prefill, and the last prompt token
+goes through the decode step; no step computes more than
 ``prefill_step`` prompt tokens, and a running row still gets a token every
 step; a cancel during prefill releases the request's blocks and stops it.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 
@@ -54,6 +57,9 @@ class FakeManager:
         self.cached: dict = {}          # tuple(prompt[:-1]) -> tokens found in the pool
         self.acquired: list = []        # table names acquired (one per prefill start)
         self.forks: list = []           # (parent name, fork name, parent's stored tokens)
+        # what the engine reads of the pool's layout (its working-buffer sums)
+        self.layout = SimpleNamespace(num_layers=LAYERS, num_kv_heads=1, head_dim=1,
+                                      dtype="float32")
 
 
 class FakeSequence:
@@ -73,6 +79,11 @@ class FakeSequence:
         mgr.acquired.append(name)
         seq = cls(mgr, name, hit, shared=hit // BS)
         return seq
+
+    @classmethod
+    def begin(cls, mgr, name, tokens, extra=None):
+        """The engine's way in (no L2 here: ready at once)."""
+        return FakePending(cls.acquire(mgr, name, tokens, extra))
 
     def reserve(self, n: int) -> None:
         # idempotent until commit, as the pool's (the engine retries a step)
@@ -100,6 +111,22 @@ class FakeSequence:
             self.mgr.free += self.own
             self.own = 0
             self.released = True
+
+
+class FakePending:
+    """``PendingSequence`` with no L2 lookup: ready, ``finish`` gives the sequence."""
+
+    def __init__(self, seq: FakeSequence) -> None:
+        self.seq = seq
+
+    def ready(self) -> bool:
+        return True
+
+    def finish(self) -> FakeSequence:
+        return self.seq
+
+    def release(self) -> None:
+        self.seq.release()
 
 
 class FakeCache:
@@ -282,17 +309,19 @@ def test_n_samples_fork_one_prefill_of_the_prompt(fakes):
     g = gen(5, 10, max_tokens=3, n=3, temperature=1.0, seed=9)
     eng.submit(g)
     eng.step()
-    # the prompt is computed once, for sample 0's table
+    # prompt[:-1] is computed once, for sample 0's table
     prefill = [c for c in model.calls if c[0] == "prefill"]
-    assert sum(c[2] for c in prefill) == 10
+    assert sum(c[2] for c in prefill) == 9
     assert {c[1] for c in prefill} == {"w0.r5.a0.s0"} and mgr.acquired == ["w0.r5.a0.s0"]
-    # samples 1 and 2 fork it after the whole prompt is stored
-    assert mgr.forks == [("w0.r5.a0.s0", "w0.r5.a0.s1", 10),
-                         ("w0.r5.a0.s0", "w0.r5.a0.s2", 10)]
-    # every sample got its first token at admission and one per decode step
+    # samples 1 and 2 fork it once prompt[:-1] is stored
+    assert mgr.forks == [("w0.r5.a0.s0", "w0.r5.a0.s1", 9),
+                         ("w0.r5.a0.s0", "w0.r5.a0.s2", 9)]
+    # every sample's first token comes from the decode step that takes the
+    # last prompt token in the batch: no forward pass of its own
     assert [r.sample for r in eng.rows] == [0, 1, 2]
-    assert model.calls[-1] == ("decode", ["w0.r5.a0.s0", "w0.r5.a0.s1", "w0.r5.a0.s2"])
-    assert all(len(ev.tokens(5, s)) == 2 for s in range(3))
+    assert model.calls == [("prefill", "w0.r5.a0.s0", 9),
+                           ("decode", ["w0.r5.a0.s0", "w0.r5.a0.s1", "w0.r5.a0.s2"])]
+    assert all(len(ev.tokens(5, s)) == 1 for s in range(3))
     # the prompt's 3 blocks once, and one copy of the partly filled one per fork
     assert mgr.total - mgr.free == 3 + 2
     run_until(eng, lambda: not eng.busy)
@@ -306,7 +335,7 @@ def test_a_step_computes_at_most_prefill_step_prompt_tokens_and_still_decodes(fa
     assert make_engine(100, prefill_step=2)[0].prefill_step == BS    # at least one
     eng.submit(gen(1, 5, max_tokens=30))
     eng.step()
-    assert len(ev.tokens(1)) == 2                   # admitted (first token) and decoded
+    assert len(ev.tokens(1)) == 1       # admitted; its first token from the decode step
 
     mgr.cached[tuple(gen(2, 31).prompt[:-1])] = 12    # a 12-token cache hit
     eng.submit(gen(3, 3, max_tokens=30))     # a short prompt first: 3 of the 8 tokens
@@ -325,8 +354,8 @@ def test_a_step_computes_at_most_prefill_step_prompt_tokens_and_still_decodes(fa
         if pf is not None:
             ends.append(pf.seq.stored)
     # from the cache-hit boundary, a chunk cut by the budget ends on a block
-    # boundary (step 1 has 5 tokens left: 4 of them); the rest of the prompt
-    # then the last token alone: 12 -> 16 -> 24 -> 30, then 31
+    # boundary (step 1 has 6 tokens left: 4 of them); then the rest of
+    # prompt[:-1]: 12 -> 16 -> 24 -> 30 (the last token goes with the decode)
     assert ends == [16, 24] and steps == 3
     assert [p for k, p in ev.log if k == "progress" and p[0] == 2] == [
         (2, 12), (2, 16), (2, 24), (2, 30)]

@@ -13,15 +13,19 @@ prefill:
   the request's working buffers (:func:`shmcache.mlx_lm.load_prefix`);
 * compute the rest of ``prompt[:-1]`` in chunks of up to ``prefill_step``
   tokens (a multiple of the block size: every chunk after the cache-hit
-  boundary ends on a block boundary or at the prompt's end), then the last
-  prompt token alone, as mlx-lm's ``generate_step`` does with its
+  boundary ends on a block boundary or at ``prompt[:-1]``'s end), evaluating
+  only the K/V (no logits), as mlx-lm's ``generate_step`` does with its
   ``prefill_step_size``;
 * write each chunk's K/V through to the pool and publish the full blocks
   right away (another worker's request with the same prefix, held back by
   the supervisor, starts as soon as the blocks it shares are published:
   ``Progress``);
 * fork the table for samples 1..n-1 and add every sample as a row of the
-  running batch (``PoolBatchKVCache.extend``).
+  running batch (``PoolBatchKVCache.extend``). The last prompt token is the
+  row's first input: it goes through the next decode step, in the batch,
+  whose logits give the first token (mlx-lm computes it alone after the
+  prefill; here it costs no forward pass of its own: on a CPU a forward
+  pass reads every weight, so a one-token pass costs about a decode step).
 
 Working buffers: each row's K/V also lives in this process, in mlx-lm's
 ``BatchKVCache`` (every row as long as the longest), so a worker's memory
@@ -74,6 +78,7 @@ from ..mlx_lm import (PendingSequence, PoolBatchKVCache, PoolKVCache, PoolSequen
                       make_pool_cache)
 from .sampling import RowSampler
 from .wire import Gen
+from . import step_timing
 
 log = logging.getLogger("shmcache.engine")
 
@@ -162,6 +167,7 @@ class Engine:
         self.preemptions = 0
         self._order = 0
         self._reqs: dict = {}
+        step_timing.install(self)
 
     # ------------------------------------------------------------ interface
     def submit(self, gen: Gen) -> None:
@@ -219,9 +225,11 @@ class Engine:
 
     def step(self) -> None:
         """Up to ``prefill_step`` prompt tokens of prefill, then one decode step."""
+        step_timing.begin(self)
         self._admit()
         if self.rows:
             self._decode()
+        step_timing.end(self)
 
     def close(self) -> None:
         if self.prefilling is not None:
@@ -266,7 +274,7 @@ class Engine:
                     self._fail(pf.req, e)
                     continue
             try:
-                used, logits = self._prefill_chunk(pf, budget)
+                used, done = self._prefill_chunk(pf, budget)
             except Exception as e:
                 self.prefilling = None
                 pf.release()             # a failed prefill holds nothing
@@ -278,13 +286,18 @@ class Engine:
                 self._fail(pf.req, e)
                 continue
             budget -= used
-            if logits is None:
+            if not done:
                 if used == 0:
                     return               # the next chunk does not fit this step's budget
                 continue
             self.prefilling = None
             try:
-                self._to_rows(pf, logits)
+                self._to_rows(pf)
+            except OutOfBlocksError:
+                # no room for the last prompt token: as a prefill out of
+                # blocks, try again after the next step (the chunks stay cached)
+                self.waiting.appendleft(pf.req)
+                return
             except Exception as e:
                 self._fail(pf.req, e)
 
@@ -341,44 +354,52 @@ class Engine:
         self.emit("progress", (pf.req.gen.id, seq.stored))
 
     def _prefill_chunk(self, pf: _Prefill, budget: int):
-        """Compute the next chunk of ``pf``'s prompt within ``budget`` tokens.
+        """Compute the next chunk of ``pf``'s ``prompt[:-1]`` within ``budget`` tokens.
 
-        Returns ``(tokens computed, None)``, or ``(1, logits)`` once the last
-        prompt token is computed. A chunk that stops short of the prompt
-        ends on a block boundary (the pool's chunks are the same whoever
-        computes them); ``(0, None)`` when none fits the budget.
+        Returns ``(tokens computed, done)``: ``done`` once ``prompt[:-1]`` is
+        stored (the last prompt token goes through the next decode step, in
+        the batch). A chunk that stops short of ``prompt[:-1]``'s end ends on
+        a block boundary (the pool's chunks are the same whoever computes
+        them); ``(0, False)`` when none fits the budget.
         """
         prompt, bs = pf.req.gen.prompt, self.bs
         pos, end = pf.seq.stored, len(prompt) - 1
-        if pos < end:
-            n = min(end - pos, budget)
-            if pos + n < end:
-                n = (pos + n) // bs * bs - pos
-            if n <= 0:
-                return 0, None
-            self._forward_reserved(pf.seq, pf.caches, prompt[pos:pos + n])
-            pf.seq.publish(prompt)
-            self.emit("progress", (pf.req.gen.id, pf.seq.stored))
-            return n, None
-        logits = self._forward_reserved(pf.seq, pf.caches, prompt[-1:])
+        if pos >= end:
+            return 0, True
+        n = min(end - pos, budget)
+        if pos + n < end:
+            n = (pos + n) // bs * bs - pos
+        if n <= 0:
+            return 0, False
+        self._forward_chunk(pf.seq, pf.caches, prompt[pos:pos + n])
         pf.seq.publish(prompt)
-        return 1, logits
+        self.emit("progress", (pf.req.gen.id, pf.seq.stored))
+        return n, pos + n >= end
 
-    def _to_rows(self, pf: _Prefill, logits) -> None:
-        """The prompt is computed: its samples become rows of the batch."""
+    def _to_rows(self, pf: _Prefill) -> None:
+        """``prompt[:-1]`` is computed: the samples become rows of the batch;
+        each row's first input is the last prompt token (its first token
+        comes out of the next decode step, as mlx-lm's ``generate_step``
+        computes the last prompt token alone after the prefill)."""
         req, seq, caches = pf.req, pf.seq, pf.caches
         g, p = req.gen, req.gen.params
-        self.emit("admitted", (g.id, len(g.prompt), pf.cached))   # the supervisor keeps the first
         # samples 1..n-1 fork the table; their working buffers start as views
-        # of sample 0's (MLX arrays are values: later writes never alias)
+        # of sample 0's (MLX arrays are values: later writes never alias).
+        # Every row reserves its slot for the last prompt token now: out of
+        # blocks, the request goes back to the queue instead of joining the
+        # batch to be preempted by the next decode step (OutOfBlocksError,
+        # everything released)
         rows = [_Row(req, 0, seq)]
         try:
             for j in range(1, p.n):
                 rows.append(_Row(req, j, seq.fork(self._tables(req, j))))
+            for r in rows:
+                r.seq.reserve(1)
         except BaseException:
             for r in rows:
                 r.seq.release()
             raise
+        self.emit("admitted", (g.id, len(g.prompt), pf.cached))   # the supervisor keeps the first
         per_row = []
         for r in rows:
             r.sampler = RowSampler(p, g.seed, r.sample)
@@ -388,20 +409,23 @@ class Engine:
                 fork = []
                 for c in caches:
                     f = PoolKVCache(r.seq, c.layer)
-                    f.keys, f.values, f.offset = c.keys[..., :c.offset, :], c.values[..., :c.offset, :], c.offset
+                    if c.keys is not None:
+                        f.keys, f.values = c.keys[..., :c.offset, :], c.values[..., :c.offset, :]
+                    f.offset = c.offset
                     fork.append(f)
                 per_row.append(fork)
         req.rows = rows
-        first = [self._sample(r, logits[0]) for r in rows]
         self._add_rows(rows, per_row)
-        self._advance(list(zip(rows, first)))
 
-    def _forward_reserved(self, seq, caches, tokens):
+    def _forward_chunk(self, seq, caches, tokens) -> None:
+        """K/V of ``tokens`` into the working buffers and the pool. Only the
+        caches are evaluated, as mlx-lm's prefill does: the last layer's
+        attention output, MLP and the logits, which no K/V depends on, are
+        never computed."""
         seq.reserve(len(tokens))
-        out = self.model(mx.array(tokens)[None], cache=caches)[:, -1, :]
-        mx.eval(out)
+        self.model(mx.array(tokens)[None], cache=caches)
+        mx.eval([a for c in caches for a in (c.keys, c.values)])
         seq.commit()
-        return out
 
     # --------------------------------------------------------------- decode
     def _add_rows(self, rows, per_row) -> None:
@@ -437,7 +461,9 @@ class Engine:
                     return
                 if not self.rows:
                     return
-        y = mx.array([[r.generated[-1]] for r in self.rows])
+        # a new row's input is its last prompt token, the others' their last token
+        y = mx.array([[r.generated[-1] if r.generated else r.req.gen.prompt[-1]]
+                      for r in self.rows])
         logits = self.model(y, cache=self.batch)[:, -1, :]      # (B, V)
         toks = [self._sample(r, logits[i]) for i, r in enumerate(self.rows)]
         mx.eval(toks)

@@ -70,6 +70,7 @@ class FakeSequence:
         self.mgr, self.name, self.stored, self.shared = mgr, name, stored, shared
         self.own = 0
         self.pending = 0
+        self.staged = None              # tokens a batch prefill computed (FakeModel sets it)
         self.released = False
         self.published: list = []
 
@@ -96,8 +97,11 @@ class FakeSequence:
         self.pending = n
 
     def commit(self) -> None:
-        self.stored += self.pending
-        self.pending = 0
+        # what was computed: a batch prefill's real tokens, else all reserved
+        n = self.pending if self.staged is None else self.staged
+        self.stored += n
+        self.pending -= n
+        self.staged = None
 
     def publish(self, tokens) -> None:
         self.published.append(len(tokens))
@@ -147,10 +151,18 @@ class FakeBatch:
 
     def __init__(self, seqs: list) -> None:
         self.seqs = seqs
+        self.lengths = None             # a batch prefill's real tokens per row
+        self.keys = self.values = mx.zeros((len(seqs), 1, 0, 1))
 
     @classmethod
     def merge(cls, caches):
         return cls([c.seq for c in caches])
+
+    def prepare(self, lengths=None, right_padding=None) -> None:
+        self.lengths = list(lengths)
+
+    def finalize(self) -> None:
+        self.lengths = None
 
     def extend(self, other: "FakeBatch") -> None:
         self.seqs = self.seqs + other.seqs
@@ -174,7 +186,8 @@ def load_prefix(caches) -> None:
 
 class FakeModel:
     """Logits a fixed pseudo-random function of the last token; records
-    ("prefill", sequence name, tokens) or ("decode", sequence names) per call."""
+    ("prefill", sequence name, tokens), ("batch-prefill", sequence names,
+    padded width) or ("decode", sequence names) per call."""
 
     def __init__(self) -> None:
         self.calls: list = []
@@ -182,7 +195,12 @@ class FakeModel:
 
     def __call__(self, x, cache):
         b, t = x.shape
-        if isinstance(cache[0], FakeBatch):
+        if isinstance(cache[0], FakeBatch) and cache[0].lengths is not None:
+            seqs = cache[0].seqs
+            self.calls.append(("batch-prefill", [s.name for s in seqs], t))
+            for s, n in zip(seqs, cache[0].lengths):
+                s.staged = n
+        elif isinstance(cache[0], FakeBatch):
             self.calls.append(("decode", [s.name for s in cache[0].seqs]))
         else:
             self.calls.append(("prefill", cache[0].seq.name, t))
@@ -382,3 +400,25 @@ def test_cancel_during_prefill_releases_the_blocks_and_stops(fakes):
     eng.submit(gen(3, 6))
     eng.cancel(3)
     assert not eng.busy and eng._reqs == {}
+
+
+@pytest.mark.timeout(60)
+def test_requests_starting_together_share_one_prefill_and_out_of_blocks_wait_in_order(fakes):
+    # 4 prompts of 5 tokens: each needs 2 blocks (prompt[:-1] and its first
+    # decode slot); 7 blocks hold 3 of them
+    eng, mgr, model, ev = make_engine(7, max_batch=8)
+    for rid in (1, 2, 3, 4):
+        eng.submit(gen(rid, 5, max_tokens=3))
+    eng.step()
+    # three prefill together in one forward, then decode; the 4th waits at the head
+    assert model.calls == [("batch-prefill", ["w0.r1.a0.s0", "w0.r2.a0.s0", "w0.r3.a0.s0"], 4),
+                           ("decode", ["w0.r1.a0.s0", "w0.r2.a0.s0", "w0.r3.a0.s0"])]
+    assert [q.gen.id for q in eng.waiting] == [4] and mgr.free == 1
+    assert "failed" not in [k for k, _ in ev.log]
+    run_until(eng, lambda: not eng.busy)
+    assert all(len(ev.tokens(rid)) == 3 for rid in (1, 2, 3, 4)) and mgr.free == mgr.total
+    # request 4 started once the first rows had finished and given back their blocks
+    admitted4 = next(i for i, (k, p) in enumerate(ev.log) if k == "admitted" and p[0] == 4)
+    first_end = next(i for i, (k, p) in enumerate(ev.log)
+                     if k == "step" and any(reason for *_, reason, _ in p))
+    assert first_end < admitted4

@@ -38,9 +38,17 @@ says so.
 INVARIANT: a step spends at most ``prefill_step`` prompt tokens on prefill
 before its decode step, so the running rows get a token every step
 whatever is being admitted (chunked prefill mixed with decode, as vLLM's
-scheduler budgets tokens per step). Prefills run one after another, in
-arrival order; several short ones (cache hits) fit in one step's budget.
-A cancelled request stops between two chunks.
+scheduler budgets tokens per step). Requests start in arrival order.
+Those at the head of the queue whose rest of ``prompt[:-1]`` (after their
+cache hits) fits one chunk of the step's budget are admitted together:
+their cached prefixes are read from the pool as each starts, merged into
+one ``PoolBatchKVCache`` (left padding) and their chunks computed in ONE
+forward pass, right-padded to the longest (rows x width counts against the
+budget), as mlx-lm's ``BatchGenerator`` prefills; then they join the
+running batch. A longer prompt is prefilled alone, in chunks, one request
+at a time; a cancelled one stops between two chunks. Greedy tokens stay
+mlx-lm's ``generate_step``'s (tests/test_engine.py checks the batched
+admission on llama, qwen2 and qwen3).
 
 A decode step reserves one slot per row (``prepare_append``: copy-on-write
 of a shared partial block), runs the model on the batch, samples each row
@@ -207,21 +215,25 @@ class Engine:
             n += sum(c.nbytes for c in pf.caches)
         return n
 
-    def working_need(self, req: "_Req", alone: bool = False) -> int:
+    def working_need(self, req: "_Req", alone: bool = False, joining=()) -> int:
         """Working-buffer bytes of the batch at its peak if ``req``'s samples join it.
 
         Every row of mlx-lm's ``BatchKVCache`` spans the batch's longest
         row (left padding), and a row grows to its prompt plus
         ``max_tokens``; so the peak is at most (rows) x (the longest final
         length, rounded up to mlx-lm's 256-token steps) x ``token_bytes``.
-        ``alone``: ``req``'s samples in a batch of their own.
+        ``alone``: ``req``'s samples in a batch of their own; ``joining``:
+        requests admitted in the same step, ahead of ``req``.
         """
         def end(g) -> int:
             return len(g.prompt) + g.params.max_tokens
         rows = [] if alone else self.rows
-        longest = max([end(req.gen)] + [end(r.req.gen) for r in rows])
+        others = [] if alone else list(joining)
+        longest = max([end(req.gen)] + [end(r.req.gen) for r in rows] +
+                      [end(q.gen) for q in others])
         longest = -(-longest // KV_STEP) * KV_STEP
-        return (len(rows) + req.gen.params.n) * longest * self.token_bytes
+        n = len(rows) + req.gen.params.n + sum(q.gen.params.n for q in others)
+        return n * longest * self.token_bytes
 
     def step(self) -> None:
         """Up to ``prefill_step`` prompt tokens of prefill, then one decode step."""
@@ -245,20 +257,19 @@ class Engine:
         budget = self.prefill_step
         while budget > 0:
             if self.prefilling is None:
-                if not self.waiting or \
-                        len(self.rows) + self.waiting[0].gen.params.n > self.max_batch:
-                    return
-                if self.max_working_bytes and not self._fits(self.waiting[0]):
-                    if self.rows:
-                        return           # waits for running rows to finish
-                    req = self.waiting.popleft()
-                    self._refuse(req)
-                    continue
-                req = self.waiting.popleft()
-                try:
-                    self.prefilling = self._start(req)
-                except Exception as e:
-                    self._fail(req, e)
+                group, rest = self._start_next(budget)
+                if not group and rest is None:
+                    return               # nothing may start now
+                if group:
+                    used, cut = self._prefill_group(group)
+                    budget -= used
+                    if cut:              # out of blocks: the rest waits, in order
+                        if rest is not None:
+                            rest.release()
+                            self.waiting.insert(cut, rest.req)
+                        return
+                self.prefilling = rest
+                if rest is None or budget <= 0:
                     continue
             pf = self.prefilling
             if pf.pending is not None:
@@ -301,8 +312,134 @@ class Engine:
             except Exception as e:
                 self._fail(pf.req, e)
 
-    def _fits(self, req: _Req) -> bool:
-        return self.working_need(req) <= self.max_working_bytes
+    def _start_next(self, budget: int):
+        """Start requests from the head of the queue while they may join the
+        batch: those whose rest of ``prompt[:-1]`` (after the cache hit) fits
+        one shared chunk within ``budget`` form a group (prefilled together,
+        :meth:`_prefill_group`); the first that does not (a longer prompt, n
+        > 1, an L2 lookup in flight) ends the group as ``rest``, to be
+        prefilled alone in chunks. Returns ``(group, rest)``."""
+        group: list = []
+        width = computed = 0          # the group's chunk width, rows that compute
+        while self.waiting:
+            head = self.waiting[0]
+            joining = [pf.req for pf in group]
+            if len(self.rows) + sum(q.gen.params.n for q in joining) + head.gen.params.n > \
+                    self.max_batch:
+                break
+            if self.max_working_bytes and not self._fits(head, joining):
+                if self.rows or group:
+                    break                # waits for running rows to finish
+                self._refuse(self.waiting.popleft())
+                continue
+            req = self.waiting.popleft()
+            try:
+                pf = self._start(req)
+            except Exception as e:
+                self._fail(req, e)
+                continue
+            if pf.pending is None and req.gen.params.n == 1:
+                rest = len(req.gen.prompt) - 1 - pf.seq.stored
+                if rest == 0:
+                    group.append(pf)     # all cached: nothing to compute
+                    continue
+                if (computed + 1) * max(width, rest) <= budget:
+                    group.append(pf)
+                    width, computed = max(width, rest), computed + 1
+                    continue
+            return group, pf
+        return group, None
+
+    def _prefill_group(self, group: list):
+        """Compute the rest of ``prompt[:-1]`` of every request of ``group``
+        (one chunk each) and add their rows to the batch. Two or more that
+        compute share ONE forward pass: their cached prefixes (read from the
+        pool at their start) merged into one ``PoolBatchKVCache`` (left
+        padding), their chunks right-padded to the longest, as mlx-lm's
+        ``BatchGenerator`` prefills. Every member reserves its chunk and its
+        first decode slot first, in order: out of blocks, that member and the
+        ones after it are released and go back to the head of the queue, in
+        order, and the others go on.
+
+        Returns ``(tokens spent, cut)``: the prompt tokens computed (rows x
+        the chunk width, padding included) and how many requests went back
+        to the queue (0: none).
+        """
+        cut = 0
+        for i, pf in enumerate(group):
+            try:
+                pf.seq.reserve(len(pf.req.gen.prompt) - pf.seq.stored)
+            except OutOfBlocksError:
+                cut = len(group) - i
+                self._requeue(group[i:])
+                group = group[:i]
+                break
+        fresh = [pf for pf in group if len(pf.req.gen.prompt) - 1 > pf.seq.stored]
+        computes = {id(pf) for pf in fresh}
+        if len(fresh) < 2:               # the one-request path: its own caches
+            used = 0
+            for i, pf in enumerate(group):
+                try:
+                    if id(pf) in computes:
+                        used, _ = self._prefill_chunk(pf, self.prefill_step)
+                except Exception as e:
+                    pf.release()
+                    self._fail(pf.req, e)
+                    continue
+                try:
+                    self._to_rows(pf)        # (its slots are reserved: no OutOfBlocksError)
+                except Exception as e:
+                    self._fail(pf.req, e)
+            return used, cut
+        rests = [len(pf.req.gen.prompt) - 1 - pf.seq.stored for pf in fresh]
+        width = max(rests)
+        try:
+            batch = [PoolBatchKVCache.merge([pf.caches[i] for pf in fresh])
+                     for i in range(len(fresh[0].caches))]
+            pad = [width - n for n in rests]
+            for c in batch:
+                c.prepare(lengths=rests, right_padding=pad)
+            toks = [pf.req.gen.prompt[pf.seq.stored:pf.seq.stored + n] + [0] * p
+                    for pf, n, p in zip(fresh, rests, pad)]
+            self.model(mx.array(toks), cache=batch)
+            mx.eval([a for c in batch for a in (c.keys, c.values)])
+            for c in batch:
+                c.finalize()
+            for pf in fresh:
+                pf.seq.commit()
+                pf.seq.publish(pf.req.gen.prompt)
+                self.emit("progress", (pf.req.gen.id, pf.seq.stored))
+        except Exception as e:           # a bug: fail these requests only
+            for pf in fresh:
+                pf.release()
+                self._fail(pf.req, e)
+            fresh = []
+        for pf in group:
+            if id(pf) in computes:
+                continue
+            try:
+                self._to_rows(pf)        # all cached (its first slot is reserved)
+            except Exception as e:
+                self._fail(pf.req, e)
+        if fresh:
+            rows = []
+            for pf in fresh:
+                g = pf.req.gen
+                self.emit("admitted", (g.id, len(g.prompt), pf.cached))
+                r = _Row(pf.req, 0, pf.seq, sampler=RowSampler(g.params, g.seed, 0))
+                pf.req.rows = [r]
+                rows.append(r)
+            self._extend_batch(rows, batch)
+        return len(fresh) * width, cut
+
+    def _requeue(self, pfs: list) -> None:
+        """Release started prefills and put them back at the head of the queue, in order."""
+        for pf in reversed(pfs):
+            pf.release()
+            self.waiting.appendleft(pf.req)
+
+    def _fits(self, req: _Req, joining=()) -> bool:
+        return self.working_need(req, joining=joining) <= self.max_working_bytes
 
     def _refuse(self, req: _Req) -> None:
         """``req`` alone needs more working buffers than this worker may have."""
@@ -430,7 +567,11 @@ class Engine:
     # --------------------------------------------------------------- decode
     def _add_rows(self, rows, per_row) -> None:
         layers = len(per_row[0])
-        new = [PoolBatchKVCache.merge([pr[i] for pr in per_row]) for i in range(layers)]
+        self._extend_batch(rows, [PoolBatchKVCache.merge([pr[i] for pr in per_row])
+                                  for i in range(layers)])
+
+    def _extend_batch(self, rows, new) -> None:
+        """``rows`` join the running batch; ``new``: their batch caches, one per layer."""
         if self.batch is None:
             self.batch = new
         else:

@@ -422,3 +422,19 @@ def test_requests_starting_together_share_one_prefill_and_out_of_blocks_wait_in_
     first_end = next(i for i, (k, p) in enumerate(ev.log)
                      if k == "step" and any(reason for *_, reason, _ in p))
     assert first_end < admitted4
+
+
+@pytest.mark.timeout(60)
+def test_step_timing_log_names_each_part_of_a_step(fakes, tmp_path, monkeypatch):
+    from shmcache.server import step_timing
+    monkeypatch.setattr(step_timing, "_DIR", str(tmp_path))
+    eng, mgr, model, ev = make_engine(100)
+    eng.submit(gen(1, 9, max_tokens=2))
+    run_until(eng, lambda: not eng.busy)
+    eng.close()
+    (log,) = tmp_path.iterdir()
+    lines = log.read_text().splitlines()
+    assert len(lines) == 2                               # admission + decode, then decode
+    assert "rows=0->1" in lines[0] and "_prefill_group=1:" in lines[0] \
+        and "_forward_chunk=1:" in lines[0] and "_decode=1:" in lines[0]
+    assert "rows=1->0" in lines[1] and "_prefill_group" not in lines[1]

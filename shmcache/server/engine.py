@@ -251,6 +251,7 @@ class Engine:
             self._drop_rows(req)
         self._reqs.clear()
         self.waiting.clear()
+        step_timing.close(self)
 
     # ------------------------------------------------------------ admission
     def _admit(self) -> None:

@@ -15,11 +15,12 @@ import os
 import time
 
 _DIR = os.environ.get("SHMCACHE_STEP_TIMING")
-NAMES = ("_admit", "_start", "_finish_start", "_prefill_chunk", "_forward_chunk", "_to_rows",
-         "_add_rows", "_decode", "_advance", "_sample")
+NAMES = ("_admit", "_start", "_finish_start", "_prefill_group", "_prefill_chunk",
+         "_forward_chunk", "_to_rows", "_extend_batch", "_decode", "_advance", "_sample")
 
 
 def install(eng):
+    """Wrap ``eng``'s methods in NAMES with timers and open its log (when enabled)."""
     if not _DIR:
         return
     eng._tacc = {}
@@ -44,14 +45,16 @@ def install(eng):
 
 
 def begin(eng):
-    if not _DIR:
+    """A step starts."""
+    if not _DIR or getattr(eng, "_tfile", None) is None:
         return
     eng._tstart = time.perf_counter()
     eng._trows0 = len(eng.rows)
 
 
 def end(eng):
-    if not _DIR:
+    """A step ended: write its line."""
+    if not _DIR or getattr(eng, "_tfile", None) is None:
         return
     t = time.perf_counter()
     gap = (eng._tstart - eng._tlast) if eng._tlast else 0.0
@@ -60,3 +63,11 @@ def end(eng):
     eng._tfile.write(f"{time.time():.3f} total={(t-eng._tstart)*1000:.1f} gap={gap*1000:.1f} "
                      f"rows={eng._trows0}->{len(eng.rows)} {parts}\n")
     eng._tacc.clear()
+
+
+def close(eng):
+    """The engine closes: close its log."""
+    f = getattr(eng, "_tfile", None)
+    if f is not None:
+        f.close()
+        eng._tfile = None

@@ -103,7 +103,7 @@ def test_a_long_prefill_shares_every_step_with_running_decodes(lm, pools):  # no
     long = [rng.randrange(vocab) for _ in range(10 * BS + 5)]
     eng.submit(gen(1, short, 40))
     eng.step()
-    assert len(ev.tokens[1]) == 2                   # prefilled, then one decode step
+    assert len(ev.tokens[1]) == 1       # prompt[:-1] prefilled, the last token in the decode step
     eng.submit(gen(2, long, 4))
     steps = 0
     before = 0
@@ -145,4 +145,53 @@ def test_cancel_in_the_middle_of_a_prefill_stops_it(lm, pools):  # noqa: F811
     run(eng)
     assert ev.admitted[2][2] >= 4 * BS
     assert ev.tokens[2] == reference(lm.model, long, 4)
+    eng.close()
+
+
+class Counting:
+    """The model, recording the input shape of every forward pass."""
+
+    def __init__(self, model):
+        self.model, self.layers, self.shapes = model, model.layers, []
+
+    def __call__(self, x, cache):
+        self.shapes.append(tuple(x.shape))
+        return self.model(x, cache=cache)
+
+
+@pytest.mark.timeout(300)
+def test_requests_admitted_together_share_one_prefill_forward(lm, pools):  # noqa: F811
+    """Requests that start in one step (warm ones with different cache hits
+    and chunk lengths, a cold one, a fully cached one) prefill in ONE batch
+    forward beside a running request, and their greedy tokens still equal
+    mlx-lm's generate_step, as the running request's do."""
+    pool = pools(block_size=BS, max_blocks=512, **lm.layout)
+    ev = Events()
+    model = Counting(lm.model)
+    eng = Engine(pool, model, [], ev, prefill_step=8 * BS)
+    rng = random.Random(11)
+    vocab = lm.model.args.vocab_size
+    shared = [rng.randrange(vocab) for _ in range(4 * BS)]
+    first = shared + [rng.randrange(vocab) for _ in range(2 * BS + 1)]
+    eng.submit(gen(1, first, 30))                # caches shared + 2 blocks, keeps decoding
+    eng.step()
+    prompts = {2: shared + [rng.randrange(vocab) for _ in range(5)],          # 4 to compute
+               3: first[:-1] + [rng.randrange(vocab) for _ in range(20)],     # 19
+               4: [rng.randrange(vocab) for _ in range(13)],                  # cold: 12
+               5: first[:-1] + [rng.randrange(vocab)]}                        # all cached
+    want = {i: reference(lm.model, p, 8) for i, p in prompts.items()}
+    for i, p in prompts.items():
+        eng.submit(gen(i, p, 8))
+    model.shapes.clear()
+    n1 = len(ev.tokens[1])
+    eng.step()
+    # one prefill forward of 3 rows x the longest chunk, then the decode step
+    assert model.shapes == [(3, 19), (5, 1)], model.shapes
+    assert len(ev.tokens[1]) == n1 + 1
+    assert all(i in ev.admitted for i in prompts)
+    assert [ev.admitted[i][2] for i in (2, 3, 4, 5)] == [4 * BS, 6 * BS, 0, 6 * BS]
+    run(eng)
+    assert ev.failed == []
+    assert {i: ev.tokens[i] for i in prompts} == want
+    assert ev.tokens[1] == reference(lm.model, first, 30)
     eng.close()

@@ -17,7 +17,8 @@ mlx-lm models.
 
 What is checked: preemption takes the newest request first and re-queues it
 at the head; seeded sampling gives the same tokens after a preemption; the
-samples of an ``n > 1`` request fork one prefill; no step computes more than
+samples of an ``n > 1`` request fork one prefill, and the last prompt token
+goes through the decode step; no step computes more than
 ``prefill_step`` prompt tokens, and a running row still gets a token every
 step; a cancel during prefill releases the request's blocks and stops it.
 """
@@ -52,12 +53,13 @@ class FakeManager:
 
     def __init__(self, blocks: int) -> None:
         self.block_size = BS
-        # the K/V shape the engine sizes its working buffers by (one float32 a token)
-        self.layout = SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=1, dtype="float32")
         self.total = self.free = blocks
         self.cached: dict = {}          # tuple(prompt[:-1]) -> tokens found in the pool
         self.acquired: list = []        # table names acquired (one per prefill start)
         self.forks: list = []           # (parent name, fork name, parent's stored tokens)
+        # what the engine reads of the pool's layout (its working-buffer sums)
+        self.layout = SimpleNamespace(num_layers=LAYERS, num_kv_heads=1, head_dim=1,
+                                      dtype="float32")
 
 
 class FakeSequence:
@@ -68,6 +70,7 @@ class FakeSequence:
         self.mgr, self.name, self.stored, self.shared = mgr, name, stored, shared
         self.own = 0
         self.pending = 0
+        self.staged = None              # tokens a batch prefill computed (FakeModel sets it)
         self.released = False
         self.published: list = []
 
@@ -80,10 +83,8 @@ class FakeSequence:
 
     @classmethod
     def begin(cls, mgr, name, tokens, extra=None):
-        """The engine's start of an acquire (the L1 lookup, then L2's in the
-        background): with no L2 here, the lookup is ready at once."""
-        seq = cls.acquire(mgr, name, tokens, extra)
-        return SimpleNamespace(ready=lambda: True, finish=lambda: seq, release=seq.release)
+        """The engine's way in (no L2 here: ready at once)."""
+        return FakePending(cls.acquire(mgr, name, tokens, extra))
 
     def reserve(self, n: int) -> None:
         # idempotent until commit, as the pool's (the engine retries a step)
@@ -96,8 +97,11 @@ class FakeSequence:
         self.pending = n
 
     def commit(self) -> None:
-        self.stored += self.pending
-        self.pending = 0
+        # what was computed: a batch prefill's real tokens, else all reserved
+        n = self.pending if self.staged is None else self.staged
+        self.stored += n
+        self.pending -= n
+        self.staged = None
 
     def publish(self, tokens) -> None:
         self.published.append(len(tokens))
@@ -111,6 +115,22 @@ class FakeSequence:
             self.mgr.free += self.own
             self.own = 0
             self.released = True
+
+
+class FakePending:
+    """``PendingSequence`` with no L2 lookup: ready, ``finish`` gives the sequence."""
+
+    def __init__(self, seq: FakeSequence) -> None:
+        self.seq = seq
+
+    def ready(self) -> bool:
+        return True
+
+    def finish(self) -> FakeSequence:
+        return self.seq
+
+    def release(self) -> None:
+        self.seq.release()
 
 
 class FakeCache:
@@ -131,10 +151,18 @@ class FakeBatch:
 
     def __init__(self, seqs: list) -> None:
         self.seqs = seqs
+        self.lengths = None             # a batch prefill's real tokens per row
+        self.keys = self.values = mx.zeros((len(seqs), 1, 0, 1))
 
     @classmethod
     def merge(cls, caches):
         return cls([c.seq for c in caches])
+
+    def prepare(self, lengths=None, right_padding=None) -> None:
+        self.lengths = list(lengths)
+
+    def finalize(self) -> None:
+        self.lengths = None
 
     def extend(self, other: "FakeBatch") -> None:
         self.seqs = self.seqs + other.seqs
@@ -158,7 +186,8 @@ def load_prefix(caches) -> None:
 
 class FakeModel:
     """Logits a fixed pseudo-random function of the last token; records
-    ("prefill", sequence name, tokens) or ("decode", sequence names) per call."""
+    ("prefill", sequence name, tokens), ("batch-prefill", sequence names,
+    padded width) or ("decode", sequence names) per call."""
 
     def __init__(self) -> None:
         self.calls: list = []
@@ -166,7 +195,12 @@ class FakeModel:
 
     def __call__(self, x, cache):
         b, t = x.shape
-        if isinstance(cache[0], FakeBatch):
+        if isinstance(cache[0], FakeBatch) and cache[0].lengths is not None:
+            seqs = cache[0].seqs
+            self.calls.append(("batch-prefill", [s.name for s in seqs], t))
+            for s, n in zip(seqs, cache[0].lengths):
+                s.staged = n
+        elif isinstance(cache[0], FakeBatch):
             self.calls.append(("decode", [s.name for s in cache[0].seqs]))
         else:
             self.calls.append(("prefill", cache[0].seq.name, t))
@@ -293,17 +327,19 @@ def test_n_samples_fork_one_prefill_of_the_prompt(fakes):
     g = gen(5, 10, max_tokens=3, n=3, temperature=1.0, seed=9)
     eng.submit(g)
     eng.step()
-    # the prompt is computed once, for sample 0's table
+    # prompt[:-1] is computed once, for sample 0's table
     prefill = [c for c in model.calls if c[0] == "prefill"]
-    assert sum(c[2] for c in prefill) == 10
+    assert sum(c[2] for c in prefill) == 9
     assert {c[1] for c in prefill} == {"w0.r5.a0.s0"} and mgr.acquired == ["w0.r5.a0.s0"]
-    # samples 1 and 2 fork it after the whole prompt is stored
-    assert mgr.forks == [("w0.r5.a0.s0", "w0.r5.a0.s1", 10),
-                         ("w0.r5.a0.s0", "w0.r5.a0.s2", 10)]
-    # every sample got its first token at admission and one per decode step
+    # samples 1 and 2 fork it once prompt[:-1] is stored
+    assert mgr.forks == [("w0.r5.a0.s0", "w0.r5.a0.s1", 9),
+                         ("w0.r5.a0.s0", "w0.r5.a0.s2", 9)]
+    # every sample's first token comes from the decode step that takes the
+    # last prompt token in the batch: no forward pass of its own
     assert [r.sample for r in eng.rows] == [0, 1, 2]
-    assert model.calls[-1] == ("decode", ["w0.r5.a0.s0", "w0.r5.a0.s1", "w0.r5.a0.s2"])
-    assert all(len(ev.tokens(5, s)) == 2 for s in range(3))
+    assert model.calls == [("prefill", "w0.r5.a0.s0", 9),
+                           ("decode", ["w0.r5.a0.s0", "w0.r5.a0.s1", "w0.r5.a0.s2"])]
+    assert all(len(ev.tokens(5, s)) == 1 for s in range(3))
     # the prompt's 3 blocks once, and one copy of the partly filled one per fork
     assert mgr.total - mgr.free == 3 + 2
     run_until(eng, lambda: not eng.busy)
@@ -317,7 +353,7 @@ def test_a_step_computes_at_most_prefill_step_prompt_tokens_and_still_decodes(fa
     assert make_engine(100, prefill_step=2)[0].prefill_step == BS    # at least one
     eng.submit(gen(1, 5, max_tokens=30))
     eng.step()
-    assert len(ev.tokens(1)) == 2                   # admitted (first token) and decoded
+    assert len(ev.tokens(1)) == 1       # admitted; its first token from the decode step
 
     mgr.cached[tuple(gen(2, 31).prompt[:-1])] = 12    # a 12-token cache hit
     eng.submit(gen(3, 3, max_tokens=30))     # a short prompt first: 3 of the 8 tokens
@@ -336,8 +372,8 @@ def test_a_step_computes_at_most_prefill_step_prompt_tokens_and_still_decodes(fa
         if pf is not None:
             ends.append(pf.seq.stored)
     # from the cache-hit boundary, a chunk cut by the budget ends on a block
-    # boundary (step 1 has 5 tokens left: 4 of them); the rest of the prompt
-    # then the last token alone: 12 -> 16 -> 24 -> 30, then 31
+    # boundary (step 1 has 6 tokens left: 4 of them); then the rest of
+    # prompt[:-1]: 12 -> 16 -> 24 -> 30 (the last token goes with the decode)
     assert ends == [16, 24] and steps == 3
     assert [p for k, p in ev.log if k == "progress" and p[0] == 2] == [
         (2, 12), (2, 16), (2, 24), (2, 30)]
@@ -364,3 +400,41 @@ def test_cancel_during_prefill_releases_the_blocks_and_stops(fakes):
     eng.submit(gen(3, 6))
     eng.cancel(3)
     assert not eng.busy and eng._reqs == {}
+
+
+@pytest.mark.timeout(60)
+def test_requests_starting_together_share_one_prefill_and_out_of_blocks_wait_in_order(fakes):
+    # 4 prompts of 5 tokens: each needs 2 blocks (prompt[:-1] and its first
+    # decode slot); 7 blocks hold 3 of them
+    eng, mgr, model, ev = make_engine(7, max_batch=8)
+    for rid in (1, 2, 3, 4):
+        eng.submit(gen(rid, 5, max_tokens=3))
+    eng.step()
+    # three prefill together in one forward, then decode; the 4th waits at the head
+    assert model.calls == [("batch-prefill", ["w0.r1.a0.s0", "w0.r2.a0.s0", "w0.r3.a0.s0"], 4),
+                           ("decode", ["w0.r1.a0.s0", "w0.r2.a0.s0", "w0.r3.a0.s0"])]
+    assert [q.gen.id for q in eng.waiting] == [4] and mgr.free == 1
+    assert "failed" not in [k for k, _ in ev.log]
+    run_until(eng, lambda: not eng.busy)
+    assert all(len(ev.tokens(rid)) == 3 for rid in (1, 2, 3, 4)) and mgr.free == mgr.total
+    # request 4 started once the first rows had finished and given back their blocks
+    admitted4 = next(i for i, (k, p) in enumerate(ev.log) if k == "admitted" and p[0] == 4)
+    first_end = next(i for i, (k, p) in enumerate(ev.log)
+                     if k == "step" and any(reason for *_, reason, _ in p))
+    assert first_end < admitted4
+
+
+@pytest.mark.timeout(60)
+def test_step_timing_log_names_each_part_of_a_step(fakes, tmp_path, monkeypatch):
+    from shmcache.server import step_timing
+    monkeypatch.setattr(step_timing, "_DIR", str(tmp_path))
+    eng, mgr, model, ev = make_engine(100)
+    eng.submit(gen(1, 9, max_tokens=2))
+    run_until(eng, lambda: not eng.busy)
+    eng.close()
+    (log,) = tmp_path.iterdir()
+    lines = log.read_text().splitlines()
+    assert len(lines) == 2                               # admission + decode, then decode
+    assert "rows=0->1" in lines[0] and "_prefill_group=1:" in lines[0] \
+        and "_forward_chunk=1:" in lines[0] and "_decode=1:" in lines[0]
+    assert "rows=1->0" in lines[1] and "_prefill_group" not in lines[1]

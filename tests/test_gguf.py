@@ -111,6 +111,61 @@ def test_smollm2_greedy_through_the_pool_cold_and_warm(smollm, pools):
     seq.release()
 
 
+@pytest.mark.timeout(180)
+def test_smollm2_engine_admits_warm_requests_together_with_mlx_lm_tokens(smollm, pools):
+    """The worker's engine on the real model: a cold chat prompt, then four
+    that share its system prompt, admitted in one step and prefilled in ONE
+    batch forward from the cached prefix, give mlx-lm's ``generate_step``
+    greedy tokens (its default prefill_step_size)."""
+    from mlx_lm.generate import generate_step
+
+    from shmcache import mlx_lm as P
+    from shmcache.server.engine import Engine
+    from shmcache.server.protocol import SamplingParams
+    from shmcache.server.wire import Gen
+    _, model, tok = smollm
+    system = [{"role": "system", "content": "You answer briefly and precisely."}]
+    questions = ["What is the capital of France?", "Name three primary colours.",
+                 "What is 2+2?", "Who wrote Hamlet?", "hi"]
+    prompts = [_chat_prompt(tok, system + [{"role": "user", "content": q}]) for q in questions]
+    n = 8
+    want = [[int(t) for t, _ in generate_step(mx.array(p), model, max_tokens=n)]
+            for p in prompts]
+    mgr = pools(block_size=BS, max_blocks=256, **P.pool_layout(model))
+    shapes, tokens, failed = [], {}, []
+
+    class Counting:
+        layers = model.layers
+
+        def __call__(self, x, cache):
+            shapes.append(tuple(x.shape))
+            return model(x, cache=cache)
+
+    def emit(kind, payload):
+        if kind == "step":
+            for rid, _, t, *_ in payload:
+                tokens.setdefault(rid, []).append(t)
+        elif kind == "failed":
+            failed.append(payload)
+
+    eng = Engine(mgr, Counting(), [], emit, prefill_step=512)
+    gen = [Gen(i, p, SamplingParams(max_tokens=n, temperature=0.0), 1)
+           for i, p in enumerate(prompts)]
+    eng.submit(gen[0])
+    eng.step()                                   # cold: prompt[:-1], then its first decode
+    for g in gen[1:]:
+        eng.submit(g)
+    shapes.clear()
+    eng.step()
+    assert shapes[0][0] == 4 and shapes[1] == (5, 1), shapes     # one prefill forward of 4
+    while eng.busy:
+        eng.step()
+    eng.close()
+    assert failed == []
+    assert [tokens[i] for i in range(len(prompts))] == want
+    assert "Paris" in tok.decode(tokens[0])
+
+
 @pytest.mark.timeout(300)
 def test_smollm2_batched_through_the_engine_equals_mlx_lm(smollm, pools):
     """Three chats with one system message through the serving engine: the

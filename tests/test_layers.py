@@ -40,7 +40,7 @@ LAYERS = [
     ("the server", "server server.api server.app server.backend server.engine "
      "server.generation server.http_errors server.main server.metrics "
      "server.openai_types server.protocol server.responses server.sample_text "
-     "server.sampling server.tool_calls "
+     "server.sampling server.step_timing server.tool_calls "
      "server.validation server.wire server.worker server.worker_procs demo_model gguf "
      "model_source"),
     ("the command", "cli doctor"),

@@ -13,15 +13,19 @@ prefill:
   the request's working buffers (:func:`shmcache.mlx_lm.load_prefix`);
 * compute the rest of ``prompt[:-1]`` in chunks of up to ``prefill_step``
   tokens (a multiple of the block size: every chunk after the cache-hit
-  boundary ends on a block boundary or at the prompt's end), then the last
-  prompt token alone, as mlx-lm's ``generate_step`` does with its
+  boundary ends on a block boundary or at ``prompt[:-1]``'s end), evaluating
+  only the K/V (no logits), as mlx-lm's ``generate_step`` does with its
   ``prefill_step_size``;
 * write each chunk's K/V through to the pool and publish the full blocks
   right away (another worker's request with the same prefix, held back by
   the supervisor, starts as soon as the blocks it shares are published:
   ``Progress``);
 * fork the table for samples 1..n-1 and add every sample as a row of the
-  running batch (``PoolBatchKVCache.extend``).
+  running batch (``PoolBatchKVCache.extend``). The last prompt token is the
+  row's first input: it goes through the next decode step, in the batch,
+  whose logits give the first token (mlx-lm computes it alone after the
+  prefill; here it costs no forward pass of its own: on a CPU a forward
+  pass reads every weight, so a one-token pass costs about a decode step).
 
 Working buffers: each row's K/V also lives in this process, in mlx-lm's
 ``BatchKVCache`` (every row as long as the longest), so a worker's memory
@@ -34,9 +38,17 @@ says so.
 INVARIANT: a step spends at most ``prefill_step`` prompt tokens on prefill
 before its decode step, so the running rows get a token every step
 whatever is being admitted (chunked prefill mixed with decode, as vLLM's
-scheduler budgets tokens per step). Prefills run one after another, in
-arrival order; several short ones (cache hits) fit in one step's budget.
-A cancelled request stops between two chunks.
+scheduler budgets tokens per step). Requests start in arrival order.
+Those at the head of the queue whose rest of ``prompt[:-1]`` (after their
+cache hits) fits one chunk of the step's budget are admitted together:
+their cached prefixes are read from the pool as each starts, merged into
+one ``PoolBatchKVCache`` (left padding) and their chunks computed in ONE
+forward pass, right-padded to the longest (rows x width counts against the
+budget), as mlx-lm's ``BatchGenerator`` prefills; then they join the
+running batch. A longer prompt is prefilled alone, in chunks, one request
+at a time; a cancelled one stops between two chunks. Greedy tokens stay
+mlx-lm's ``generate_step``'s (tests/test_engine.py checks the batched
+admission on llama, qwen2 and qwen3).
 
 A decode step reserves one slot per row (``prepare_append``: copy-on-write
 of a shared partial block), runs the model on the batch, samples each row
@@ -74,6 +86,7 @@ from ..mlx_lm import (PendingSequence, PoolBatchKVCache, PoolKVCache, PoolSequen
                       make_pool_cache)
 from .sampling import RowSampler
 from .wire import Gen
+from . import step_timing
 
 log = logging.getLogger("shmcache.engine")
 
@@ -162,6 +175,7 @@ class Engine:
         self.preemptions = 0
         self._order = 0
         self._reqs: dict = {}
+        step_timing.install(self)
 
     # ------------------------------------------------------------ interface
     def submit(self, gen: Gen) -> None:
@@ -201,27 +215,33 @@ class Engine:
             n += sum(c.nbytes for c in pf.caches)
         return n
 
-    def working_need(self, req: "_Req", alone: bool = False) -> int:
+    def working_need(self, req: "_Req", alone: bool = False, joining=()) -> int:
         """Working-buffer bytes of the batch at its peak if ``req``'s samples join it.
 
         Every row of mlx-lm's ``BatchKVCache`` spans the batch's longest
         row (left padding), and a row grows to its prompt plus
         ``max_tokens``; so the peak is at most (rows) x (the longest final
         length, rounded up to mlx-lm's 256-token steps) x ``token_bytes``.
-        ``alone``: ``req``'s samples in a batch of their own.
+        ``alone``: ``req``'s samples in a batch of their own; ``joining``:
+        requests admitted in the same step, ahead of ``req``.
         """
         def end(g) -> int:
             return len(g.prompt) + g.params.max_tokens
         rows = [] if alone else self.rows
-        longest = max([end(req.gen)] + [end(r.req.gen) for r in rows])
+        others = [] if alone else list(joining)
+        longest = max([end(req.gen)] + [end(r.req.gen) for r in rows] +
+                      [end(q.gen) for q in others])
         longest = -(-longest // KV_STEP) * KV_STEP
-        return (len(rows) + req.gen.params.n) * longest * self.token_bytes
+        n = len(rows) + req.gen.params.n + sum(q.gen.params.n for q in others)
+        return n * longest * self.token_bytes
 
     def step(self) -> None:
         """Up to ``prefill_step`` prompt tokens of prefill, then one decode step."""
+        step_timing.begin(self)
         self._admit()
         if self.rows:
             self._decode()
+        step_timing.end(self)
 
     def close(self) -> None:
         if self.prefilling is not None:
@@ -231,26 +251,26 @@ class Engine:
             self._drop_rows(req)
         self._reqs.clear()
         self.waiting.clear()
+        step_timing.close(self)
 
     # ------------------------------------------------------------ admission
     def _admit(self) -> None:
         budget = self.prefill_step
         while budget > 0:
             if self.prefilling is None:
-                if not self.waiting or \
-                        len(self.rows) + self.waiting[0].gen.params.n > self.max_batch:
-                    return
-                if self.max_working_bytes and not self._fits(self.waiting[0]):
-                    if self.rows:
-                        return           # waits for running rows to finish
-                    req = self.waiting.popleft()
-                    self._refuse(req)
-                    continue
-                req = self.waiting.popleft()
-                try:
-                    self.prefilling = self._start(req)
-                except Exception as e:
-                    self._fail(req, e)
+                group, rest = self._start_next(budget)
+                if not group and rest is None:
+                    return               # nothing may start now
+                if group:
+                    used, cut = self._prefill_group(group)
+                    budget -= used
+                    if cut:              # out of blocks: the rest waits, in order
+                        if rest is not None:
+                            rest.release()
+                            self.waiting.insert(cut, rest.req)
+                        return
+                self.prefilling = rest
+                if rest is None or budget <= 0:
                     continue
             pf = self.prefilling
             if pf.pending is not None:
@@ -266,7 +286,7 @@ class Engine:
                     self._fail(pf.req, e)
                     continue
             try:
-                used, logits = self._prefill_chunk(pf, budget)
+                used, done = self._prefill_chunk(pf, budget)
             except Exception as e:
                 self.prefilling = None
                 pf.release()             # a failed prefill holds nothing
@@ -278,18 +298,149 @@ class Engine:
                 self._fail(pf.req, e)
                 continue
             budget -= used
-            if logits is None:
+            if not done:
                 if used == 0:
                     return               # the next chunk does not fit this step's budget
                 continue
             self.prefilling = None
             try:
-                self._to_rows(pf, logits)
+                self._to_rows(pf)
+            except OutOfBlocksError:
+                # no room for the last prompt token: as a prefill out of
+                # blocks, try again after the next step (the chunks stay cached)
+                self.waiting.appendleft(pf.req)
+                return
             except Exception as e:
                 self._fail(pf.req, e)
 
-    def _fits(self, req: _Req) -> bool:
-        return self.working_need(req) <= self.max_working_bytes
+    def _start_next(self, budget: int):
+        """Start requests from the head of the queue while they may join the
+        batch: those whose rest of ``prompt[:-1]`` (after the cache hit) fits
+        one shared chunk within ``budget`` form a group (prefilled together,
+        :meth:`_prefill_group`); the first that does not (a longer prompt, n
+        > 1, an L2 lookup in flight) ends the group as ``rest``, to be
+        prefilled alone in chunks. Returns ``(group, rest)``."""
+        group: list = []
+        width = computed = 0          # the group's chunk width, rows that compute
+        while self.waiting:
+            head = self.waiting[0]
+            joining = [pf.req for pf in group]
+            if len(self.rows) + sum(q.gen.params.n for q in joining) + head.gen.params.n > \
+                    self.max_batch:
+                break
+            if self.max_working_bytes and not self._fits(head, joining):
+                if self.rows or group:
+                    break                # waits for running rows to finish
+                self._refuse(self.waiting.popleft())
+                continue
+            req = self.waiting.popleft()
+            try:
+                pf = self._start(req)
+            except Exception as e:
+                self._fail(req, e)
+                continue
+            if pf.pending is None and req.gen.params.n == 1:
+                rest = len(req.gen.prompt) - 1 - pf.seq.stored
+                if rest == 0:
+                    group.append(pf)     # all cached: nothing to compute
+                    continue
+                if (computed + 1) * max(width, rest) <= budget:
+                    group.append(pf)
+                    width, computed = max(width, rest), computed + 1
+                    continue
+            return group, pf
+        return group, None
+
+    def _prefill_group(self, group: list):
+        """Compute the rest of ``prompt[:-1]`` of every request of ``group``
+        (one chunk each) and add their rows to the batch. Two or more that
+        compute share ONE forward pass: their cached prefixes (read from the
+        pool at their start) merged into one ``PoolBatchKVCache`` (left
+        padding), their chunks right-padded to the longest, as mlx-lm's
+        ``BatchGenerator`` prefills. Every member reserves its chunk and its
+        first decode slot first, in order: out of blocks, that member and the
+        ones after it are released and go back to the head of the queue, in
+        order, and the others go on.
+
+        Returns ``(tokens spent, cut)``: the prompt tokens computed (rows x
+        the chunk width, padding included) and how many requests went back
+        to the queue (0: none).
+        """
+        cut = 0
+        for i, pf in enumerate(group):
+            try:
+                pf.seq.reserve(len(pf.req.gen.prompt) - pf.seq.stored)
+            except OutOfBlocksError:
+                cut = len(group) - i
+                self._requeue(group[i:])
+                group = group[:i]
+                break
+        fresh = [pf for pf in group if len(pf.req.gen.prompt) - 1 > pf.seq.stored]
+        computes = {id(pf) for pf in fresh}
+        if len(fresh) < 2:               # the one-request path: its own caches
+            used = 0
+            for i, pf in enumerate(group):
+                try:
+                    if id(pf) in computes:
+                        used, _ = self._prefill_chunk(pf, self.prefill_step)
+                except Exception as e:
+                    pf.release()
+                    self._fail(pf.req, e)
+                    continue
+                try:
+                    self._to_rows(pf)        # (its slots are reserved: no OutOfBlocksError)
+                except Exception as e:
+                    self._fail(pf.req, e)
+            return used, cut
+        rests = [len(pf.req.gen.prompt) - 1 - pf.seq.stored for pf in fresh]
+        width = max(rests)
+        try:
+            batch = [PoolBatchKVCache.merge([pf.caches[i] for pf in fresh])
+                     for i in range(len(fresh[0].caches))]
+            pad = [width - n for n in rests]
+            for c in batch:
+                c.prepare(lengths=rests, right_padding=pad)
+            toks = [pf.req.gen.prompt[pf.seq.stored:pf.seq.stored + n] + [0] * p
+                    for pf, n, p in zip(fresh, rests, pad)]
+            self.model(mx.array(toks), cache=batch)
+            mx.eval([a for c in batch for a in (c.keys, c.values)])
+            for c in batch:
+                c.finalize()
+            for pf in fresh:
+                pf.seq.commit()
+                pf.seq.publish(pf.req.gen.prompt)
+                self.emit("progress", (pf.req.gen.id, pf.seq.stored))
+        except Exception as e:           # a bug: fail these requests only
+            for pf in fresh:
+                pf.release()
+                self._fail(pf.req, e)
+            fresh = []
+        for pf in group:
+            if id(pf) in computes:
+                continue
+            try:
+                self._to_rows(pf)        # all cached (its first slot is reserved)
+            except Exception as e:
+                self._fail(pf.req, e)
+        if fresh:
+            rows = []
+            for pf in fresh:
+                g = pf.req.gen
+                self.emit("admitted", (g.id, len(g.prompt), pf.cached))
+                r = _Row(pf.req, 0, pf.seq, sampler=RowSampler(g.params, g.seed, 0))
+                pf.req.rows = [r]
+                rows.append(r)
+            self._extend_batch(rows, batch)
+        return len(fresh) * width, cut
+
+    def _requeue(self, pfs: list) -> None:
+        """Release started prefills and put them back at the head of the queue, in order."""
+        for pf in reversed(pfs):
+            pf.release()
+            self.waiting.appendleft(pf.req)
+
+    def _fits(self, req: _Req, joining=()) -> bool:
+        return self.working_need(req, joining=joining) <= self.max_working_bytes
 
     def _refuse(self, req: _Req) -> None:
         """``req`` alone needs more working buffers than this worker may have."""
@@ -341,44 +492,52 @@ class Engine:
         self.emit("progress", (pf.req.gen.id, seq.stored))
 
     def _prefill_chunk(self, pf: _Prefill, budget: int):
-        """Compute the next chunk of ``pf``'s prompt within ``budget`` tokens.
+        """Compute the next chunk of ``pf``'s ``prompt[:-1]`` within ``budget`` tokens.
 
-        Returns ``(tokens computed, None)``, or ``(1, logits)`` once the last
-        prompt token is computed. A chunk that stops short of the prompt
-        ends on a block boundary (the pool's chunks are the same whoever
-        computes them); ``(0, None)`` when none fits the budget.
+        Returns ``(tokens computed, done)``: ``done`` once ``prompt[:-1]`` is
+        stored (the last prompt token goes through the next decode step, in
+        the batch). A chunk that stops short of ``prompt[:-1]``'s end ends on
+        a block boundary (the pool's chunks are the same whoever computes
+        them); ``(0, False)`` when none fits the budget.
         """
         prompt, bs = pf.req.gen.prompt, self.bs
         pos, end = pf.seq.stored, len(prompt) - 1
-        if pos < end:
-            n = min(end - pos, budget)
-            if pos + n < end:
-                n = (pos + n) // bs * bs - pos
-            if n <= 0:
-                return 0, None
-            self._forward_reserved(pf.seq, pf.caches, prompt[pos:pos + n])
-            pf.seq.publish(prompt)
-            self.emit("progress", (pf.req.gen.id, pf.seq.stored))
-            return n, None
-        logits = self._forward_reserved(pf.seq, pf.caches, prompt[-1:])
+        if pos >= end:
+            return 0, True
+        n = min(end - pos, budget)
+        if pos + n < end:
+            n = (pos + n) // bs * bs - pos
+        if n <= 0:
+            return 0, False
+        self._forward_chunk(pf.seq, pf.caches, prompt[pos:pos + n])
         pf.seq.publish(prompt)
-        return 1, logits
+        self.emit("progress", (pf.req.gen.id, pf.seq.stored))
+        return n, pos + n >= end
 
-    def _to_rows(self, pf: _Prefill, logits) -> None:
-        """The prompt is computed: its samples become rows of the batch."""
+    def _to_rows(self, pf: _Prefill) -> None:
+        """``prompt[:-1]`` is computed: the samples become rows of the batch;
+        each row's first input is the last prompt token (its first token
+        comes out of the next decode step, as mlx-lm's ``generate_step``
+        computes the last prompt token alone after the prefill)."""
         req, seq, caches = pf.req, pf.seq, pf.caches
         g, p = req.gen, req.gen.params
-        self.emit("admitted", (g.id, len(g.prompt), pf.cached))   # the supervisor keeps the first
         # samples 1..n-1 fork the table; their working buffers start as views
-        # of sample 0's (MLX arrays are values: later writes never alias)
+        # of sample 0's (MLX arrays are values: later writes never alias).
+        # Every row reserves its slot for the last prompt token now: out of
+        # blocks, the request goes back to the queue instead of joining the
+        # batch to be preempted by the next decode step (OutOfBlocksError,
+        # everything released)
         rows = [_Row(req, 0, seq)]
         try:
             for j in range(1, p.n):
                 rows.append(_Row(req, j, seq.fork(self._tables(req, j))))
+            for r in rows:
+                r.seq.reserve(1)
         except BaseException:
             for r in rows:
                 r.seq.release()
             raise
+        self.emit("admitted", (g.id, len(g.prompt), pf.cached))   # the supervisor keeps the first
         per_row = []
         for r in rows:
             r.sampler = RowSampler(p, g.seed, r.sample)
@@ -388,25 +547,32 @@ class Engine:
                 fork = []
                 for c in caches:
                     f = PoolKVCache(r.seq, c.layer)
-                    f.keys, f.values, f.offset = c.keys[..., :c.offset, :], c.values[..., :c.offset, :], c.offset
+                    if c.keys is not None:
+                        f.keys, f.values = c.keys[..., :c.offset, :], c.values[..., :c.offset, :]
+                    f.offset = c.offset
                     fork.append(f)
                 per_row.append(fork)
         req.rows = rows
-        first = [self._sample(r, logits[0]) for r in rows]
         self._add_rows(rows, per_row)
-        self._advance(list(zip(rows, first)))
 
-    def _forward_reserved(self, seq, caches, tokens):
+    def _forward_chunk(self, seq, caches, tokens) -> None:
+        """K/V of ``tokens`` into the working buffers and the pool. Only the
+        caches are evaluated, as mlx-lm's prefill does: the last layer's
+        attention output, MLP and the logits, which no K/V depends on, are
+        never computed."""
         seq.reserve(len(tokens))
-        out = self.model(mx.array(tokens)[None], cache=caches)[:, -1, :]
-        mx.eval(out)
+        self.model(mx.array(tokens)[None], cache=caches)
+        mx.eval([a for c in caches for a in (c.keys, c.values)])
         seq.commit()
-        return out
 
     # --------------------------------------------------------------- decode
     def _add_rows(self, rows, per_row) -> None:
         layers = len(per_row[0])
-        new = [PoolBatchKVCache.merge([pr[i] for pr in per_row]) for i in range(layers)]
+        self._extend_batch(rows, [PoolBatchKVCache.merge([pr[i] for pr in per_row])
+                                  for i in range(layers)])
+
+    def _extend_batch(self, rows, new) -> None:
+        """``rows`` join the running batch; ``new``: their batch caches, one per layer."""
         if self.batch is None:
             self.batch = new
         else:
@@ -437,7 +603,9 @@ class Engine:
                     return
                 if not self.rows:
                     return
-        y = mx.array([[r.generated[-1]] for r in self.rows])
+        # a new row's input is its last prompt token, the others' their last token
+        y = mx.array([[r.generated[-1] if r.generated else r.req.gen.prompt[-1]]
+                      for r in self.rows])
         logits = self.model(y, cache=self.batch)[:, -1, :]      # (B, V)
         toks = [self._sample(r, logits[i]) for i, r in enumerate(self.rows)]
         mx.eval(toks)

@@ -239,6 +239,11 @@ def test_a_request_whose_workers_keep_dying_fails_after_the_reruns(model_dir):
         assert len(kills) == 2, kills
         err = json.loads(events[-2])["error"]
         assert "2 worker processes that died" in err["message"], err
+        # the log line and the error event leave the server together; its
+        # output reaches this process through a reader thread a moment later
+        deadline = time.monotonic() + 10
+        while "not run again" not in srv.log() and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert "not run again" in srv.log()
 
 

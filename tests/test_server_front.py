@@ -413,4 +413,5 @@ def test_a_stream_without_a_first_token_gets_keepalives_and_a_progress_log(model
             with contextlib.suppress(psutil.Error):
                 w.resume()
         assert comments >= 3
+        assert "prefill 0 of 30 prompt tokens, no first token after 5 s" in srv.log()
         assert "".join(texts) == reference.greedy(list(prompt.encode()), 6).text

@@ -420,9 +420,12 @@ class WorkerLifecycle:
                     if waited >= 5 and int(waited) % 5 == 0 and int(waited) != getattr(
                             f, "_logged_at", None):
                         f._logged_at = int(waited)
-                        log.info("request %d: %d prompt tokens, no first token after %d s "
-                                 "on worker %d (a long prefill, or a queue)", f.gen.id,
-                                 len(f.gen.prompt), int(waited), w.idx)
+                        # progress: the prompt tokens in the pool so far (the
+                        # worker's Progress after its cache hit and each chunk)
+                        log.info("request %d: prefill %d of %d prompt tokens, no first "
+                                 "token after %d s on worker %d (a long prefill, or a queue)",
+                                 f.gen.id, getattr(f, "progress", 0), len(f.gen.prompt),
+                                 int(waited), w.idx)
             live = {f.gen.id for w in self.workers for f in w.flights.values()}
             for rid in [r for r in waiting_logged if r not in live]:
                 del waiting_logged[rid]

@@ -252,6 +252,44 @@ def _complete(path: Path) -> bool:
     return all((path / f).is_file() for f in _REQUIRED)
 
 
+def complete_model_dir(path: Path) -> bool:
+    """Whether ``path`` holds a whole model directory (the files a reader needs)."""
+    return _complete(path)
+
+
+def build_dir_atomically(target: Path, build) -> Path:
+    """``build(tmp)`` writes a model directory into a temporary directory beside
+    ``target``, which is then renamed into place: a reader never sees half a
+    model. Of concurrent builders the first rename wins and the others use its
+    result; an incomplete leftover at ``target`` (not one of ours: ours appear
+    whole) is set aside first. Returns ``target``."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        build(tmp)
+        os.chmod(tmp, 0o755)                               # mkdtemp made it 0700
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if _complete(target):                          # another builder won the race
+                return target
+            aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            try:
+                os.rename(target, aside / "old")
+            except OSError:
+                pass
+            shutil.rmtree(aside, ignore_errors=True)
+            try:
+                os.rename(tmp, target)
+            except OSError:
+                if not _complete(target):
+                    raise
+        return target
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def ensure_demo_model(cache_dir=None, progress: bool = True) -> Path:
     """The default demo model's directory, built on first use; reused after.
 
@@ -269,28 +307,5 @@ def ensure_demo_model(cache_dir=None, progress: bool = True) -> Path:
     if progress:
         print(f"shmcache: building the demo model ({DEMO_ARCH}, {NUM_LAYERS} layers, hidden "
               f"{HIDDEN_SIZE}, random weights) in {target} ...", file=sys.stderr, flush=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        build_model_dir(tmp, DEMO_ARCH, seed=DEMO_SEED, dtype=DTYPE)
-        os.chmod(tmp, 0o755)                               # mkdtemp made it 0700
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if _complete(target):                          # another builder won the race
-                return target
-            # an incomplete leftover (not one of ours: ours appear whole): set it aside
-            aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-            try:
-                os.rename(target, aside / "old")
-            except OSError:
-                pass
-            shutil.rmtree(aside, ignore_errors=True)
-            try:
-                os.rename(tmp, target)
-            except OSError:
-                if not _complete(target):
-                    raise
-        return target
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    return build_dir_atomically(
+        target, lambda tmp: build_model_dir(tmp, DEMO_ARCH, seed=DEMO_SEED, dtype=DTYPE))

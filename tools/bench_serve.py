@@ -136,8 +136,8 @@ def make_configs(workers: int, blas_path: str, sticky: str) -> dict[str, Config]
                            f"to one ({sticky})", "mlx", workers, 1, route="sticky",
                            env={"LD_PRELOAD": blas_path, "OPENBLAS_NUM_THREADS": share},
                            env_unset=_BLAS_ENV, workloads=("chat",)),
-        "llama": Config("llama", f"llama_cpp.server on the GGUF, {cores} threads", "llama", 1,
-                        1, env_unset=_BLAS_ENV),
+        "llama": Config("llama", f"llama_cpp.server on the GGUF, {cores} threads, requests "
+                        "queued (not interrupted)", "llama", 1, 1, env_unset=_BLAS_ENV),
     }
 
 
@@ -147,9 +147,12 @@ def server_argv(cfg: Config, model: str, port: int, args) -> list[str]:
                 "--workers", str(args.workers), "--port", str(port), "--log-level", "warning",
                 *shlex.split(args.serve_args)]
     if cfg.kind == "llama":
-        return [sys.executable, "-m", "llama_cpp.server", "--model", args.gguf,
+        return [sys.executable, "-m", "tools.llama_server", "--model", args.gguf,
                 "--port", str(port), "--n_threads", str(os.cpu_count() or 1),
-                "--n_ctx", "4096"]
+                "--n_ctx", "4096",
+                # its default (True) cuts a streaming reply off when the next
+                # request arrives; queued instead, as concurrent clients need
+                "--interrupt_requests", "False"]
     return [sys.executable, "-m", "mlx_lm", "server", "--model", model, "--port", str(port),
             "--prompt-cache-size", str(args.prompt_cache_size), "--log-level", "WARNING"]
 

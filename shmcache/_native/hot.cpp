@@ -62,7 +62,8 @@ namespace {
 
 // Hot(buffer, params, created_at=0.0): the pool mutex and fused operations
 // over a writable buffer of the pool's mapping (held until release()), with
-// the offsets of params (a tuple of ints, in hot_params.h's P_ order).
+// the parameters params (a tuple of ints: layout.HOT_PARAMS' values, in its
+// order, which hot_params_gen.h's P_ enum indexes).
 void hot_init(Hot *self, nb::handle buf, nb::handle params, nb::handle created_at_) {
     if (!PyTuple_Check(params.ptr()))
         raise_wrong_type(2, "tuple", params);
@@ -261,6 +262,14 @@ nb::object hot_set_reserve_py(Hot &self, nb::handle cap_) {
 
 NB_MODULE(_hot, m) {
     m.doc() = "The pool mutex and fused hot paths of shmcache, in C (nanobind binding).";
+    // the names of Hot()'s parameters, in the order it takes them (this
+    // build's hot_params_gen.h): layout.HOT_PARAM_NAMES when the build is current
+    {
+        nb::list names;
+        for (int i = 0; i < P_COUNT; i++)
+            names.append(nb::str(hot_param_names[i]));
+        m.attr("PARAM_NAMES") = nb::tuple(names);
+    }
     // Pools still open at exit hold their Hot objects: not leaks to report.
     nb::set_leak_warnings(false);
 

@@ -462,6 +462,7 @@ HOT_PARAMS = (
     ("b_tok", _field(_B, "token_count"), "byte offset of a block record's token_count (uint16)"),
     ("b_last", _field(_B, "last_access"), "byte offset of a block record's last_access (float32)"),
     ("b_hash", BLOCK_HASH_OFF, "byte offset of a block record's hash (HASH_BYTES)"),
+    ("b_gen", _field(_B, "gen"), "byte offset of a block record's gen (uint32)"),
     ("flag_cached", FLAG_CACHED, "the flags bit of a block in the prefix index"),
     # slot records
     ("slots_off", _lay("slots_off"), "byte offset of the slot records"),
@@ -508,6 +509,7 @@ HOT_PARAMS = (
     ("c_turn_next", C_TURN_NEXT, "counter C_TURN_NEXT"),
     ("c_turn_now", C_TURN_NOW, "counter C_TURN_NOW"),
     ("c_pure", C_PURE, "counter C_PURE"),
+    ("c_tokens", C_TOKENS, "counter C_TOKENS"),
 )
 HOT_PARAM_NAMES = tuple(name for name, _, _ in HOT_PARAMS)
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 
 from . import layout as L
 from .errors import CorruptPoolError, ShmCacheError
@@ -49,6 +50,13 @@ try:
         raise ImportError("SHMCACHE_PURE is set")
     from . import _hot
 except ImportError:     # not compiled here: the ctypes path below
+    _hot = None
+if _hot is not None and getattr(_hot, "PARAM_NAMES", None) != L.HOT_PARAM_NAMES:
+    # built from another layout.HOT_PARAMS: it would read the pool through
+    # the wrong offsets; the reference path instead
+    warnings.warn("shmcache._hot was built from another layout.HOT_PARAMS: not using it "
+                  "(rebuild it: python setup.py build_ext --inplace)", RuntimeWarning,
+                  stacklevel=1)
     _hot = None
 
 ACCELERATED = _hot is not None

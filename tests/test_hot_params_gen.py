@@ -5,7 +5,10 @@ reads (no dead parameters)."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -52,3 +55,20 @@ def test_the_values_follow_the_layout():
     assert sum(only.values()) == L.MUTEX_OFF + 14
     with pytest.raises(ValueError, match="block_size"):
         L.hot_params_only(block_size=40)
+
+
+def test_a_stale_build_is_not_used():
+    """A _hot built from another HOT_PARAMS would read the pool through the
+    wrong offsets: lock falls back to the reference path and warns. (A unit
+    test: a stand-in module plays the stale build, in a fresh interpreter.)"""
+    code = ("import sys, types, warnings\n"
+            "sys.modules['shmcache._hot'] = types.SimpleNamespace(PARAM_NAMES=('mutex_off',))\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            "    import shmcache.lock as lock\n"
+            "assert lock._hot is None and not lock.ACCELERATED, lock._hot\n"
+            "assert any('rebuild' in str(x.message) for x in w), [str(x.message) for x in w]\n")
+    env = {k: v for k, v in os.environ.items() if k != "SHMCACHE_PURE"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=60, env=env)
+    assert r.returncode == 0, r.stderr

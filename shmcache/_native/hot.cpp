@@ -92,10 +92,10 @@ void hot_init(Hot *self, nb::handle buf, nb::handle params, nb::handle created_a
     }
 }
 
-nb::object hot_set_chunks_py(Hot &self, nb::handle n_, nb::handle gen_off_, nb::handle c_tokens_) {
-    Py_ssize_t n = as_n(n_), gen_off = as_n(gen_off_), c_tokens = as_n(c_tokens_);
+nb::object hot_set_chunks_py(Hot &self, nb::handle n_) {
+    Py_ssize_t n = as_n(n_);
     HotCore *h = ready(self);
-    int e = hot_set_chunks(h, n, gen_off, c_tokens);
+    int e = hot_set_chunks(h, n);
     if (e == -1) {
         PyErr_Format(PyExc_ValueError, "%zd chunks do not fit the mapping (room for %zd)",
                      n, (Py_ssize_t)hot_chunks_room(h));
@@ -278,7 +278,7 @@ NB_MODULE(_hot, m) {
              nb::arg("created_at") = 0.0)
         .def("release", [](Hot &self) { self.release(); }, "Release the buffer (before unmapping).")
         .def("set_chunks", &hot_set_chunks_py,
-             "set_chunks(nchunks, gen_off, c_tokens): what the fused ops need beyond the parameters.")
+             "set_chunks(nchunks): the pool's chunk count; turns the fused ops on.")
         .def("init_mutex", &hot_init_mutex_py, "Initialise the robust mutex (creator only).")
         .def("trylock", &hot_trylock_py, "0 locked, 1 locked after the holder died, -1 busy.")
         .def("lock", &hot_lock_py, nb::arg("give_up") = false,

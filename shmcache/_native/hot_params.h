@@ -225,13 +225,15 @@ hot_chunks_room(const HotCore *h)
     return (h->len - h->p[P_REFS_OFF]) / h->p[P_CHUNK_RECORD_BYTES];
 }
 
-/* set_chunks(nchunks, gen_off, c_tokens): the pool's chunk count (at most
- * what fits the mapping, hot_chunks_room), a block record's generation
- * offset and the counter of the seed's token count. 0; -1 (nothing set)
- * when the chunks do not fit, -2 for a bad offset or counter. */
+/* set_chunks(nchunks): the pool's chunk count (at most what fits the
+ * mapping, hot_chunks_room); it turns the fused ops on, with a block
+ * record's generation (P_B_GEN) and the counter of the seed's token count
+ * (P_C_TOKENS). 0; -1 (nothing set) when the chunks do not fit, -2 for a
+ * bad offset or counter. */
 static inline int
-hot_set_chunks(HotCore *h, int64_t n, int64_t gen_off, int64_t c_tokens)
+hot_set_chunks(HotCore *h, int64_t n)
 {
+    const int64_t gen_off = h->p[P_B_GEN], c_tokens = h->p[P_C_TOKENS];
     if (n < 0 || n > hot_chunks_room(h))
         return -1;
     if (gen_off < 0 || gen_off + 4 > h->p[P_BLOCK_RECORD_BYTES] ||

@@ -21,47 +21,49 @@ enum {
     P_B_TOK,               /* 9: byte offset of a block record's token_count (uint16) */
     P_B_LAST,              /* 10: byte offset of a block record's last_access (float32) */
     P_B_HASH,              /* 11: byte offset of a block record's hash (HASH_BYTES) */
-    P_FLAG_CACHED,         /* 12: the flags bit of a block in the prefix index */
-    P_SLOTS_OFF,           /* 13: byte offset of the slot records */
-    P_SLOT_RECORD_BYTES,   /* 14: bytes of a slot record (SLOT_DTYPE) */
-    P_MAX_SLOTS,           /* 15: slot records (0: the fused ops refuse every call) */
-    P_S_HEAD,              /* 16: byte offset of a slot record's loose_head (int32) */
-    P_S_COUNT,             /* 17: byte offset of a slot record's loose_count (int32) */
-    P_S_RESERVED,          /* 18: byte offset of a slot record's reserved (int32) */
-    P_REFS_OFF,            /* 19: byte offset of the reference chunks */
-    P_CHUNK_RECORD_BYTES,  /* 20: bytes of a chunk (CHUNK_DTYPE) */
-    P_TABLES_OFF,          /* 21: byte offset of the table records */
-    P_TABLE_RECORD_BYTES,  /* 22: bytes of a table record (TABLE_DTYPE) */
-    P_MAX_TABLES,          /* 23: table records */
-    P_T_STATE,             /* 24: byte offset of a table record's state (int32) */
-    P_T_OWNER,             /* 25: byte offset of a table record's owner (int32) */
-    P_T_HEAD,              /* 26: byte offset of a table record's head (int32) */
-    P_T_TAIL,              /* 27: byte offset of a table record's tail (int32) */
-    P_T_LEN,               /* 28: byte offset of a table record's length (int32) */
-    P_T_TOK,               /* 29: byte offset of a table record's num_tokens (int32) */
-    P_T_CLAIM,             /* 30: byte offset of a table record's claim (int32) */
-    P_T_RID,               /* 31: byte offset of a table record's request_id */
-    P_RID_BYTES,           /* 32: bytes of a request id */
-    P_T_RHASH,             /* 33: byte offset of a table record's rid_hash (uint64) */
-    P_HASH_OFF,            /* 34: byte offset of the prefix index */
-    P_HASH_CAP,            /* 35: entries of the prefix index */
-    P_TINDEX_OFF,          /* 36: byte offset of the request-id index */
-    P_TINDEX_CAP,          /* 37: entries of the request-id index */
-    P_C_DIRTY,             /* 38: counter C_DIRTY */
-    P_C_NUM_FREE,          /* 39: counter C_NUM_FREE */
-    P_C_FREE_REF,          /* 40: counter C_FREE_REF */
-    P_C_FREE_REFS,         /* 41: counter C_FREE_REFS */
-    P_C_OPS,               /* 42: counter C_OPS */
-    P_C_EPOCH,             /* 43: counter C_EPOCH */
-    P_C_HOLDER,            /* 44: counter C_HOLDER */
-    P_C_NUM_TABLES,        /* 45: counter C_NUM_TABLES */
-    P_C_HITS,              /* 46: counter C_HITS */
-    P_C_MISSES,            /* 47: counter C_MISSES */
-    P_C_EVICTIONS,         /* 48: counter C_EVICTIONS */
-    P_C_LOCK_WAIT_NS,      /* 49: counter C_LOCK_WAIT_NS */
-    P_C_TURN_NEXT,         /* 50: counter C_TURN_NEXT */
-    P_C_TURN_NOW,          /* 51: counter C_TURN_NOW */
-    P_C_PURE,              /* 52: counter C_PURE */
+    P_B_GEN,               /* 12: byte offset of a block record's gen (uint32) */
+    P_FLAG_CACHED,         /* 13: the flags bit of a block in the prefix index */
+    P_SLOTS_OFF,           /* 14: byte offset of the slot records */
+    P_SLOT_RECORD_BYTES,   /* 15: bytes of a slot record (SLOT_DTYPE) */
+    P_MAX_SLOTS,           /* 16: slot records (0: the fused ops refuse every call) */
+    P_S_HEAD,              /* 17: byte offset of a slot record's loose_head (int32) */
+    P_S_COUNT,             /* 18: byte offset of a slot record's loose_count (int32) */
+    P_S_RESERVED,          /* 19: byte offset of a slot record's reserved (int32) */
+    P_REFS_OFF,            /* 20: byte offset of the reference chunks */
+    P_CHUNK_RECORD_BYTES,  /* 21: bytes of a chunk (CHUNK_DTYPE) */
+    P_TABLES_OFF,          /* 22: byte offset of the table records */
+    P_TABLE_RECORD_BYTES,  /* 23: bytes of a table record (TABLE_DTYPE) */
+    P_MAX_TABLES,          /* 24: table records */
+    P_T_STATE,             /* 25: byte offset of a table record's state (int32) */
+    P_T_OWNER,             /* 26: byte offset of a table record's owner (int32) */
+    P_T_HEAD,              /* 27: byte offset of a table record's head (int32) */
+    P_T_TAIL,              /* 28: byte offset of a table record's tail (int32) */
+    P_T_LEN,               /* 29: byte offset of a table record's length (int32) */
+    P_T_TOK,               /* 30: byte offset of a table record's num_tokens (int32) */
+    P_T_CLAIM,             /* 31: byte offset of a table record's claim (int32) */
+    P_T_RID,               /* 32: byte offset of a table record's request_id */
+    P_RID_BYTES,           /* 33: bytes of a request id */
+    P_T_RHASH,             /* 34: byte offset of a table record's rid_hash (uint64) */
+    P_HASH_OFF,            /* 35: byte offset of the prefix index */
+    P_HASH_CAP,            /* 36: entries of the prefix index */
+    P_TINDEX_OFF,          /* 37: byte offset of the request-id index */
+    P_TINDEX_CAP,          /* 38: entries of the request-id index */
+    P_C_DIRTY,             /* 39: counter C_DIRTY */
+    P_C_NUM_FREE,          /* 40: counter C_NUM_FREE */
+    P_C_FREE_REF,          /* 41: counter C_FREE_REF */
+    P_C_FREE_REFS,         /* 42: counter C_FREE_REFS */
+    P_C_OPS,               /* 43: counter C_OPS */
+    P_C_EPOCH,             /* 44: counter C_EPOCH */
+    P_C_HOLDER,            /* 45: counter C_HOLDER */
+    P_C_NUM_TABLES,        /* 46: counter C_NUM_TABLES */
+    P_C_HITS,              /* 47: counter C_HITS */
+    P_C_MISSES,            /* 48: counter C_MISSES */
+    P_C_EVICTIONS,         /* 49: counter C_EVICTIONS */
+    P_C_LOCK_WAIT_NS,      /* 50: counter C_LOCK_WAIT_NS */
+    P_C_TURN_NEXT,         /* 51: counter C_TURN_NEXT */
+    P_C_TURN_NOW,          /* 52: counter C_TURN_NOW */
+    P_C_PURE,              /* 53: counter C_PURE */
+    P_C_TOKENS,            /* 54: counter C_TOKENS */
     P_COUNT
 };
 
@@ -78,6 +80,7 @@ static const char *const hot_param_names[P_COUNT] = {
     "b_tok",
     "b_last",
     "b_hash",
+    "b_gen",
     "flag_cached",
     "slots_off",
     "slot_record_bytes",
@@ -119,6 +122,7 @@ static const char *const hot_param_names[P_COUNT] = {
     "c_turn_next",
     "c_turn_now",
     "c_pure",
+    "c_tokens",
 };
 
 #endif

@@ -9,7 +9,9 @@
 // runs), HOT_NOMEM into MemoryError, an errno into OSError. It is the one
 // translation unit; the core is in headers it includes, plain C/C++ with no
 // Python, one role each:
-//   hot_params.h    HotCore: the pool fields the core reaches, and their checks;
+//   hot_params.h    HotCore: the pool fields the core reaches, and their checks
+//                   (hot_params_gen.h, generated from layout.HOT_PARAMS,
+//                   indexes them);
 //   hot_mutex.h     the robust pool mutex;
 //   hot_enter.h     how a fused op takes it: its turn, a short spin, the
 //                   dirty mark, the release that hands the turn on;

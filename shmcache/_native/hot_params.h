@@ -16,7 +16,8 @@
  * mapping and the parameters (a tuple of ints, layout.HOT_PARAMS in its
  * order, indexed by hot_params_gen.h's P_ enum): the offsets of the mutex,
  * the counters and every field the fused ops touch, the record sizes and
- * the counts; hot_set_chunks() adds what the fused ops need beyond them.
+ * the counts; hot_set_chunks() adds the chunk count, which turns the fused
+ * ops on.
  */
 #ifndef SHMCACHE_HOT_PARAMS_H
 #define SHMCACHE_HOT_PARAMS_H
@@ -37,10 +38,10 @@
 #include "hot_params_gen.h"
 
 /* The chunk area (P_REFS_OFF, P_CHUNK_RECORD_BYTES bytes a chunk) is seen
- * as int32 words: chunk c is words [c*CW, c*CW + CW), word 0 its link, then CI block
- * ids. A slot's loose list: P_S_HEAD is its first chunk, the partly filled
- * one with ((count - 1) % CI) + 1 ids; the chunks it links to are full
- * (see refs.py). A table's list runs the other way: P_T_HEAD its first,
+ * as int32 words: chunk c is words [c*CW, c*CW + CW), word 0 its link, then
+ * CI block ids. A slot's loose list: P_S_HEAD is its first chunk, the
+ * partly filled one with ((count - 1) % CI) + 1 ids; the chunks it links to
+ * are full (see refs.py). A table's list runs the other way: P_T_HEAD its first,
  * full chunk, P_T_TAIL the partly filled last one. The process-local map
  * holds, for each block, the words of its loose ids. */
 #define CI 15

@@ -24,8 +24,11 @@ _LINUX = sys.platform.startswith("linux")
 # _hot's flags; -fno-strict-aliasing: its core reads the pool's records
 # through pointer casts into one mapping
 _HOT_FLAGS = ["-O2", "-Wall", "-std=c++17", "-fvisibility=hidden", "-fno-strict-aliasing"]
-_HOT_HEADERS = ["hot_params.h", "hot_mutex.h", "hot_enter.h", "hot_localmap.h", "hot_loose.h",
-                "hot_tables.h", "hot_append.h", "hot_index.h", "hot_fused.h", "bind_args.h", "bind_tables.h"]
+# (hot_params_gen.h is generated from layout.py and committed: the build
+# reads it and imports nothing of shmcache)
+_HOT_HEADERS = ["hot_params.h", "hot_params_gen.h", "hot_mutex.h", "hot_enter.h",
+                "hot_localmap.h", "hot_loose.h", "hot_reserve.h", "hot_claim.h", "hot_tables.h",
+                "hot_append.h", "hot_index.h", "hot_fused.h", "bind_args.h", "bind_tables.h"]
 
 
 def _hot():

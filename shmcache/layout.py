@@ -75,6 +75,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from hashlib import blake2b
+from operator import attrgetter
 
 import numpy as np
 
@@ -254,7 +255,6 @@ CHUNK_DTYPE = np.dtype([
     ("next", "<i4"),                         # next chunk of the list (or of the free list)
     ("block_id", "<i4", (CHUNK_IDS,)),       # block ids; [0] is -1 in a free chunk
 ])
-REF_DTYPE = CHUNK_DTYPE       # (``lock.hot_params`` reads its field offsets)
 
 TABLE_DTYPE = np.dtype([
     ("request_id", f"S{RID_BYTES}"),
@@ -428,3 +428,102 @@ def layout_from_header(hdr, file_size: int | None = None, where: str = "pool") -
     if bytes(hdr["checksum"]) != header_checksum(hdr):
         bad("checksum mismatch (a header byte changed after creation)")
     return lay
+
+
+# The pool as the C core sees it (shmcache._hot, shmcache/_native/): the
+# parameters ``Hot(buffer, params)`` takes, one row each, in the order it
+# takes them: (name, value, what it is); the value is a constant of this
+# byte map, or a function of the pool's Layout. This table is the one list:
+# ``hot_params`` builds the tuple from it, and the C side's indices (the
+# ``P_<NAME>`` enum, P_COUNT, hot_param_names) are generated from it into
+# shmcache/_native/hot_params_gen.h by
+#     python -m shmcache.hot_params_gen > shmcache/_native/hot_params_gen.h
+# (tests/test_hot_params_gen.py fails while the committed file differs). To
+# add a parameter: add its row here, run that command, rebuild. Every row is
+# one the C core reads (the test checks that too).
+def _field(dt: np.dtype, field: str) -> int:
+    assert dt.fields is not None        # (a structured dtype)
+    return dt.fields[field][1]
+
+
+_lay = attrgetter       # a row whose value is this Layout attribute
+_B, _S, _T = BLOCK_DTYPE, SLOT_DTYPE, TABLE_DTYPE
+HOT_PARAMS = (
+    ("mutex_off", MUTEX_OFF, "byte offset of the pool mutex (in the header)"),
+    ("counters_off", _lay("counters_off"), "byte offset of the counters (int64[NUM_COUNTERS])"),
+    # block records (max_blocks, then the free list's head and tail sentinels)
+    ("blocks_off", _lay("blocks_off"), "byte offset of the block records"),
+    ("block_record_bytes", _B.itemsize, "bytes of a block record (BLOCK_DTYPE)"),
+    ("max_blocks", _lay("max_blocks"), "block records, not counting the two sentinels"),
+    ("b_ref", _field(_B, "ref_count"), "byte offset of a block record's ref_count (int32)"),
+    ("b_prev", _field(_B, "prev"), "byte offset of a block record's prev (int32)"),
+    ("b_next", _field(_B, "next"), "byte offset of a block record's next (int32)"),
+    ("b_flags", _field(_B, "flags"), "byte offset of a block record's flags (uint16)"),
+    ("b_tok", _field(_B, "token_count"), "byte offset of a block record's token_count (uint16)"),
+    ("b_last", _field(_B, "last_access"), "byte offset of a block record's last_access (float32)"),
+    ("b_hash", BLOCK_HASH_OFF, "byte offset of a block record's hash (HASH_BYTES)"),
+    ("b_gen", _field(_B, "gen"), "byte offset of a block record's gen (uint32)"),
+    ("flag_cached", FLAG_CACHED, "the flags bit of a block in the prefix index"),
+    # slot records
+    ("slots_off", _lay("slots_off"), "byte offset of the slot records"),
+    ("slot_record_bytes", _S.itemsize, "bytes of a slot record (SLOT_DTYPE)"),
+    ("max_slots", _lay("max_slots"), "slot records (0: the fused ops refuse every call)"),
+    ("s_head", _field(_S, "loose_head"), "byte offset of a slot record's loose_head (int32)"),
+    ("s_count", _field(_S, "loose_count"), "byte offset of a slot record's loose_count (int32)"),
+    ("s_reserved", _field(_S, "reserved"), "byte offset of a slot record's reserved (int32)"),
+    # reference chunks
+    ("refs_off", _lay("refs_off"), "byte offset of the reference chunks"),
+    ("chunk_record_bytes", CHUNK_DTYPE.itemsize, "bytes of a chunk (CHUNK_DTYPE)"),
+    # table records
+    ("tables_off", _lay("tables_off"), "byte offset of the table records"),
+    ("table_record_bytes", _T.itemsize, "bytes of a table record (TABLE_DTYPE)"),
+    ("max_tables", _lay("max_tables"), "table records"),
+    ("t_state", _field(_T, "state"), "byte offset of a table record's state (int32)"),
+    ("t_owner", _field(_T, "owner"), "byte offset of a table record's owner (int32)"),
+    ("t_head", _field(_T, "head"), "byte offset of a table record's head (int32)"),
+    ("t_tail", _field(_T, "tail"), "byte offset of a table record's tail (int32)"),
+    ("t_len", _field(_T, "length"), "byte offset of a table record's length (int32)"),
+    ("t_tok", _field(_T, "num_tokens"), "byte offset of a table record's num_tokens (int32)"),
+    ("t_claim", _field(_T, "claim"), "byte offset of a table record's claim (int32)"),
+    ("t_rid", _field(_T, "request_id"), "byte offset of a table record's request_id"),
+    ("rid_bytes", RID_BYTES, "bytes of a request id"),
+    ("t_rhash", _field(_T, "rid_hash"), "byte offset of a table record's rid_hash (uint64)"),
+    # the two hash indexes (int32 entries, a power of two of them)
+    ("hash_off", _lay("hash_off"), "byte offset of the prefix index"),
+    ("hash_cap", _lay("hash_capacity"), "entries of the prefix index"),
+    ("tindex_off", _lay("tindex_off"), "byte offset of the request-id index"),
+    ("tindex_cap", _lay("table_capacity"), "entries of the request-id index"),
+    # counter indexes
+    ("c_dirty", C_DIRTY, "counter C_DIRTY"),
+    ("c_num_free", C_NUM_FREE, "counter C_NUM_FREE"),
+    ("c_free_ref", C_FREE_REF, "counter C_FREE_REF"),
+    ("c_free_refs", C_FREE_REFS, "counter C_FREE_REFS"),
+    ("c_ops", C_OPS, "counter C_OPS"),
+    ("c_epoch", C_EPOCH, "counter C_EPOCH"),
+    ("c_holder", C_HOLDER, "counter C_HOLDER"),
+    ("c_num_tables", C_NUM_TABLES, "counter C_NUM_TABLES"),
+    ("c_hits", C_HITS, "counter C_HITS"),
+    ("c_misses", C_MISSES, "counter C_MISSES"),
+    ("c_evictions", C_EVICTIONS, "counter C_EVICTIONS"),
+    ("c_lock_wait_ns", C_LOCK_WAIT_NS, "counter C_LOCK_WAIT_NS"),
+    ("c_turn_next", C_TURN_NEXT, "counter C_TURN_NEXT"),
+    ("c_turn_now", C_TURN_NOW, "counter C_TURN_NOW"),
+    ("c_pure", C_PURE, "counter C_PURE"),
+    ("c_tokens", C_TOKENS, "counter C_TOKENS"),
+)
+HOT_PARAM_NAMES = tuple(name for name, _, _ in HOT_PARAMS)
+
+
+def hot_params(lay: Layout) -> tuple:
+    """The tuple ``_hot.Hot`` takes for a pool of layout ``lay``: every
+    HOT_PARAMS row's value, in its order."""
+    return tuple(v(lay) if callable(v) else v for _, v, _ in HOT_PARAMS)
+
+
+def hot_params_only(**values: int) -> tuple:
+    """The tuple ``_hot.Hot`` takes with only the rows named given (the
+    others 0: with max_slots 0, the fused ops refuse every call)."""
+    unknown = sorted(set(values) - set(HOT_PARAM_NAMES))
+    if unknown:
+        raise ValueError(f"not rows of layout.HOT_PARAMS: {unknown}")
+    return tuple(values.get(name, 0) for name in HOT_PARAM_NAMES)

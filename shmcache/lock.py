@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 
 from . import layout as L
 from .errors import CorruptPoolError, ShmCacheError
@@ -50,60 +51,21 @@ try:
     from . import _hot
 except ImportError:     # not compiled here: the ctypes path below
     _hot = None
+if _hot is not None and getattr(_hot, "PARAM_NAMES", None) != L.HOT_PARAM_NAMES:
+    # built from another layout.HOT_PARAMS: it would read the pool through
+    # the wrong offsets; the reference path instead
+    warnings.warn("shmcache._hot was built from another layout.HOT_PARAMS: not using it "
+                  "(rebuild it: python setup.py build_ext --inplace)", RuntimeWarning,
+                  stacklevel=1)
+    _hot = None
 
 ACCELERATED = _hot is not None
-
-
-# The parameters of ``_hot.Hot``, in its ``P_*`` order.
-_P_NAMES = ("mutex_off", "counters_off",
-            "blocks_off", "block_size", "b_ref", "b_prev", "b_next", "b_flags", "b_tok", "b_last",
-            "refs_off", "ref_size", "r_block", "r_next",
-            "slots_off", "slot_size", "s_head", "s_count",
-            "max_blocks", "max_slots", "flag_cached",
-            "c_dirty", "c_num_free", "c_free_ref", "c_free_refs", "c_ops", "c_epoch", "c_holder",
-            "tables_off", "table_size", "t_state", "t_head", "t_tail", "t_len", "t_tok",
-            "max_tables", "c_num_tables", "hash_off", "hash_cap", "b_hash",
-            "tindex_off", "tindex_cap", "t_rid", "rid_bytes", "t_rhash", "t_owner",
-            "c_hits", "c_misses", "c_evictions", "c_turn_next", "c_turn_now", "c_lock_wait_ns",
-            "s_reserved", "t_claim", "c_pure")
-
-
-def _params(**kw) -> tuple:
-    return tuple(kw.pop(k, 0) for k in _P_NAMES)
-
-
-def hot_params(lay) -> tuple:
-    """The byte offsets ``_hot.Hot`` works with."""
-    bf, rf, sf = L.BLOCK_DTYPE.fields, L.REF_DTYPE.fields, L.SLOT_DTYPE.fields
-    tf = L.TABLE_DTYPE.fields
-    return _params(
-        mutex_off=L.MUTEX_OFF, counters_off=lay.counters_off,
-        blocks_off=lay.blocks_off, block_size=L.BLOCK_DTYPE.itemsize,
-        b_ref=bf["ref_count"][1], b_prev=bf["prev"][1], b_next=bf["next"][1],
-        b_flags=bf["flags"][1], b_tok=bf["token_count"][1], b_last=bf["last_access"][1],
-        refs_off=lay.refs_off, ref_size=L.REF_DTYPE.itemsize,
-        r_block=rf["block_id"][1], r_next=rf["next"][1],
-        slots_off=lay.slots_off, slot_size=L.SLOT_DTYPE.itemsize,
-        s_head=sf["loose_head"][1], s_count=sf["loose_count"][1],
-        max_blocks=lay.max_blocks, max_slots=lay.max_slots, flag_cached=L.FLAG_CACHED,
-        c_dirty=L.C_DIRTY, c_num_free=L.C_NUM_FREE, c_free_ref=L.C_FREE_REF,
-        c_free_refs=L.C_FREE_REFS, c_ops=L.C_OPS, c_epoch=L.C_EPOCH, c_holder=L.C_HOLDER,
-        tables_off=lay.tables_off, table_size=L.TABLE_DTYPE.itemsize,
-        t_state=tf["state"][1], t_head=tf["head"][1], t_tail=tf["tail"][1],
-        t_len=tf["length"][1], t_tok=tf["num_tokens"][1], max_tables=lay.max_tables,
-        c_num_tables=L.C_NUM_TABLES, hash_off=lay.hash_off, hash_cap=lay.hash_capacity,
-        b_hash=L.BLOCK_HASH_OFF, tindex_off=lay.tindex_off, tindex_cap=lay.table_capacity,
-        t_rid=tf["request_id"][1], rid_bytes=L.RID_BYTES, t_rhash=tf["rid_hash"][1],
-        t_owner=tf["owner"][1], c_hits=L.C_HITS, c_misses=L.C_MISSES,
-        c_evictions=L.C_EVICTIONS, c_turn_next=L.C_TURN_NEXT, c_turn_now=L.C_TURN_NOW,
-        c_lock_wait_ns=L.C_LOCK_WAIT_NS, s_reserved=sf["reserved"][1], t_claim=tf["claim"][1],
-        c_pure=L.C_PURE)
 
 
 def open_hot(mm, lay, created_at: float, accelerated: bool = ACCELERATED):
     """The mutex (and fused operations) over mapping ``mm`` of a pool."""
     if accelerated and _hot is not None:
-        return _hot.Hot(mm, hot_params(lay), created_at)
+        return _hot.Hot(mm, L.hot_params(lay), created_at)
     return reference_mutex(mm)
 
 
@@ -121,8 +83,8 @@ def open_mutex(mm):
     segment's first ``MUTEX_MAP_SIZE`` bytes (the inspector's, the tests')."""
     if _hot is not None:
         # max_slots 0: the fused operations refuse every call
-        return _hot.Hot(mm, _params(mutex_off=L.MUTEX_OFF, counters_off=L.HEADER_SIZE,
-                                    c_dirty=L.C_DIRTY, c_holder=L.C_HOLDER))
+        return _hot.Hot(mm, L.hot_params_only(mutex_off=L.MUTEX_OFF, counters_off=L.HEADER_SIZE,
+                                              c_dirty=L.C_DIRTY, c_holder=L.C_HOLDER))
     return reference_mutex(mm)
 
 

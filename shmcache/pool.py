@@ -214,11 +214,9 @@ class Pool(SlotOps, MappedViews):
     def _open_native(self):
         native = open_hot(self.mm, self.layout, self.created_at)
         if hasattr(native, "set_chunks"):
-            # what the fused ops need beyond lock.hot_params: the chunk
-            # count (they check every chunk id they read against it), the
-            # block record's generation and the seed's token counter
-            native.set_chunks(self.layout.num_chunks,
-                              L.BLOCK_DTYPE.fields["gen"][1], L.C_TOKENS)
+            # what the fused ops need beyond layout.hot_params: the chunk
+            # count (they check every chunk id they read against it)
+            native.set_chunks(self.layout.num_chunks)
         elif getattr(native, "alloc", None) is not None:
             # a _hot built for an older layout: the same mutex through ctypes,
             # and the fused ops in Python

@@ -194,7 +194,7 @@ def test_alloc_checks_the_count_before_sizing_anything():
         assert p.native.alloc(32, p.slot, m._epoch, m._refs.loose.buf) is None
         assert len(p.native.alloc(31, p.slot, m._epoch, m._refs.loose.buf)) == 31
         with pytest.raises(ValueError):
-            p.native.set_chunks(10**12, 36, 15)  # more chunks than the mapping holds
+            p.native.set_chunks(10**12)  # more chunks than the mapping holds
         assert m.check() == []
     finally:
         m.close()

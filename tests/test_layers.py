@@ -27,7 +27,7 @@ ROOT = Path(shmcache.__file__).parent
 LAYERS = [
     ("leaves", "errors platform_linux loosemap table_chains _hot _mlxbuf"),
     ("platform seam, byte map, BLAS binding",
-     "platform layout blas blas_elf blas_find blas_load"),
+     "platform layout hot_params_gen blas blas_elf blas_find blas_load"),
     ("segment file, pool lock", "segment lock"),
     ("shared structures", "blocks freelist index chunks refs claims slots"),
     ("one mapped pool, recovery, reclaim, this process's holder, reserves, the read-only view",

@@ -9,7 +9,9 @@
 // runs), HOT_NOMEM into MemoryError, an errno into OSError. It is the one
 // translation unit; the core is in headers it includes, plain C/C++ with no
 // Python, one role each:
-//   hot_params.h    HotCore: the pool fields the core reaches, and their checks;
+//   hot_params.h    HotCore: the pool fields the core reaches, and their checks
+//                   (hot_params_gen.h, generated from layout.HOT_PARAMS,
+//                   indexes them);
 //   hot_mutex.h     the robust pool mutex;
 //   hot_enter.h     how a fused op takes it: its turn, a short spin, the
 //                   dirty mark, the release that hands the turn on;
@@ -62,7 +64,8 @@ namespace {
 
 // Hot(buffer, params, created_at=0.0): the pool mutex and fused operations
 // over a writable buffer of the pool's mapping (held until release()), with
-// the offsets of params (a tuple of ints, in hot_params.h's P_ order).
+// the parameters params (a tuple of ints: layout.HOT_PARAMS' values, in its
+// order, which hot_params_gen.h's P_ enum indexes).
 void hot_init(Hot *self, nb::handle buf, nb::handle params, nb::handle created_at_) {
     if (!PyTuple_Check(params.ptr()))
         raise_wrong_type(2, "tuple", params);
@@ -91,10 +94,10 @@ void hot_init(Hot *self, nb::handle buf, nb::handle params, nb::handle created_a
     }
 }
 
-nb::object hot_set_chunks_py(Hot &self, nb::handle n_, nb::handle gen_off_, nb::handle c_tokens_) {
-    Py_ssize_t n = as_n(n_), gen_off = as_n(gen_off_), c_tokens = as_n(c_tokens_);
+nb::object hot_set_chunks_py(Hot &self, nb::handle n_) {
+    Py_ssize_t n = as_n(n_);
     HotCore *h = ready(self);
-    int e = hot_set_chunks(h, n, gen_off, c_tokens);
+    int e = hot_set_chunks(h, n);
     if (e == -1) {
         PyErr_Format(PyExc_ValueError, "%zd chunks do not fit the mapping (room for %zd)",
                      n, (Py_ssize_t)hot_chunks_room(h));
@@ -261,6 +264,14 @@ nb::object hot_set_reserve_py(Hot &self, nb::handle cap_) {
 
 NB_MODULE(_hot, m) {
     m.doc() = "The pool mutex and fused hot paths of shmcache, in C (nanobind binding).";
+    // the names of Hot()'s parameters, in the order it takes them (this
+    // build's hot_params_gen.h): layout.HOT_PARAM_NAMES when the build is current
+    {
+        nb::list names;
+        for (int i = 0; i < P_COUNT; i++)
+            names.append(nb::str(hot_param_names[i]));
+        m.attr("PARAM_NAMES") = nb::tuple(names);
+    }
     // Pools still open at exit hold their Hot objects: not leaks to report.
     nb::set_leak_warnings(false);
 
@@ -269,7 +280,7 @@ NB_MODULE(_hot, m) {
              nb::arg("created_at") = 0.0)
         .def("release", [](Hot &self) { self.release(); }, "Release the buffer (before unmapping).")
         .def("set_chunks", &hot_set_chunks_py,
-             "set_chunks(nchunks, gen_off, c_tokens): what the fused ops need beyond the parameters.")
+             "set_chunks(nchunks): the pool's chunk count; turns the fused ops on.")
         .def("init_mutex", &hot_init_mutex_py, "Initialise the robust mutex (creator only).")
         .def("trylock", &hot_trylock_py, "0 locked, 1 locked after the holder died, -1 busy.")
         .def("lock", &hot_lock_py, nb::arg("give_up") = false,

@@ -103,7 +103,7 @@ claim_free(HotCore *h, int64_t t, uint64_t rhash, int slot)
         !__atomic_compare_exchange_n(w, &e, slot + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
         return HOT_SLOW;
     /* (a pure process may have attached between the test above and the claim) */
-    memcpy(&have, h->base + h->p[P_TABLES_OFF] + t * h->p[P_TABLE_SIZE] + h->p[P_T_RHASH], 8);
+    memcpy(&have, TABLE_REC(h, t) + h->p[P_T_RHASH], 8);
     if (__atomic_load_n(&C(h, P_C_PURE), __ATOMIC_ACQUIRE) == 0 &&
         TF(h, t, P_T_STATE) == 1 && have == rhash)
         return 0;

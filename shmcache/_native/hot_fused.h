@@ -47,7 +47,7 @@ enter_table(HotCore *h, int64_t t, uint64_t rhash, int slot, long long epoch)
         return HOT_SLOW;
     if ((e = enter(h, epoch, slot)) < 0)
         return e == -2 ? HOT_BUSY : HOT_SLOW;
-    memcpy(&have, h->base + h->p[P_TABLES_OFF] + t * h->p[P_TABLE_SIZE] + h->p[P_T_RHASH], 8);
+    memcpy(&have, TABLE_REC(h, t) + h->p[P_T_RHASH], 8);
     if (TF(h, t, P_T_STATE) != 1 || have != rhash || claim_for_op(h, t) != 0) {
         leave(h, 0);
         return HOT_SLOW;
@@ -110,7 +110,7 @@ tindex_slot(const HotCore *h, const char *raw, int64_t n, uint64_t hash, int64_t
         const char *rid;
         if (e < 0 || e >= h->p[P_MAX_TABLES])
             return HOT_SLOW;
-        rid = h->base + h->p[P_TABLES_OFF] + (int64_t)e * h->p[P_TABLE_SIZE] + h->p[P_T_RID];
+        rid = TABLE_REC(h, e) + h->p[P_T_RID];
         if (!memcmp(rid, raw, n) && (n == h->p[P_RID_BYTES] || rid[n] == 0)) {
             *t = e;
             return i;
@@ -124,7 +124,7 @@ static inline uint64_t
 tindex_home(const HotCore *h, int32_t e)
 {
     uint64_t v;
-    memcpy(&v, h->base + h->p[P_TABLES_OFF] + (int64_t)e * h->p[P_TABLE_SIZE] + h->p[P_T_RHASH], 8);
+    memcpy(&v, TABLE_REC(h, e) + h->p[P_T_RHASH], 8);
     return v;
 }
 

@@ -56,7 +56,7 @@ hot_index_find(const HotCore *h, const unsigned char *key)
             break;
         if (!IS_BLOCK(h, e))
             return HOT_SLOW;
-        if (!memcmp(hb + (int64_t)e * h->p[P_BLOCK_SIZE], key, 16))
+        if (!memcmp(hb + (int64_t)e * h->p[P_BLOCK_RECORD_BYTES], key, 16))
             break;
     }
     if (probes > mask)
@@ -94,7 +94,7 @@ hot_index_add(HotCore *h, const int32_t *ids, int64_t n, const unsigned char *ha
             j = (j + 1) & mask;
         if (probes > mask)
             return HOT_SLOW;
-        memcpy(hb + (int64_t)b * h->p[P_BLOCK_SIZE], key, 16);
+        memcpy(hb + (int64_t)b * h->p[P_BLOCK_RECORD_BYTES], key, 16);
         FLAGS(h, b) |= CACHED;
         slots[j] = b;
         TOK(h, b) = (uint16_t)bs;
@@ -137,7 +137,7 @@ static inline uint64_t
 hindex_home(const HotCore *h, int32_t e)
 {
     const unsigned char *k = (const unsigned char *)h->base + h->p[P_BLOCKS_OFF] +
-                             (int64_t)e * h->p[P_BLOCK_SIZE] + h->p[P_B_HASH];
+                             (int64_t)e * h->p[P_BLOCK_RECORD_BYTES] + h->p[P_B_HASH];
     uint64_t home = 0;
     for (int j = 8; j-- > 0;)
         home = home << 8 | k[j];

@@ -13,9 +13,11 @@
  * the mutex calls return errno values.
  *
  * HotCore is filled by the binding from a writable buffer over the pool's
- * mapping and the offsets (a tuple of ints, in the order of the P_ enum) of
- * the mutex, the counters and every field the fused ops touch (see
- * layout.py); hot_set_chunks() adds what the fused ops need beyond them.
+ * mapping and the parameters (a tuple of ints, layout.HOT_PARAMS in its
+ * order, indexed by hot_params_gen.h's P_ enum): the offsets of the mutex,
+ * the counters and every field the fused ops touch, the record sizes and
+ * the counts; hot_set_chunks() adds the chunk count, which turns the fused
+ * ops on.
  */
 #ifndef SHMCACHE_HOT_PARAMS_H
 #define SHMCACHE_HOT_PARAMS_H
@@ -30,27 +32,16 @@
 #define HOT_REFUSED (-3)    /* nothing changed: the caller refused the result */
 #define HOT_BUSY (-4)       /* nothing changed: the lock stayed busy through the spin */
 
-/* The parameters Hot() takes, in this order (a tuple of ints). */
-enum {
-    P_MUTEX_OFF, P_COUNTERS_OFF,
-    P_BLOCKS_OFF, P_BLOCK_SIZE, P_B_REF, P_B_PREV, P_B_NEXT, P_B_FLAGS, P_B_TOK, P_B_LAST,
-    P_REFS_OFF, P_REF_SIZE, P_R_BLOCK, P_R_NEXT,
-    P_SLOTS_OFF, P_SLOT_SIZE, P_S_HEAD, P_S_COUNT,
-    P_MAX_BLOCKS, P_MAX_SLOTS, P_FLAG_CACHED,
-    P_C_DIRTY, P_C_NUM_FREE, P_C_FREE_REF, P_C_FREE_REFS, P_C_OPS, P_C_EPOCH, P_C_HOLDER,
-    P_TABLES_OFF, P_TABLE_SIZE, P_T_STATE, P_T_HEAD, P_T_TAIL, P_T_LEN, P_T_TOK,
-    P_MAX_TABLES, P_C_NUM_TABLES, P_HASH_OFF, P_HASH_CAP, P_B_HASH,
-    P_TINDEX_OFF, P_TINDEX_CAP, P_T_RID, P_RID_BYTES, P_T_RHASH, P_T_OWNER,
-    P_C_HITS, P_C_MISSES, P_C_EVICTIONS, P_C_TURN_NEXT, P_C_TURN_NOW, P_C_LOCK_WAIT_NS,
-    P_S_RESERVED, P_T_CLAIM, P_C_PURE,
-    P_COUNT
-};
+/* The parameters Hot() takes (a tuple of ints) are the rows of layout.py's
+ * HOT_PARAMS, in its order: hot_params_gen.h, generated from that table,
+ * names their indices (P_<NAME>) and their count (P_COUNT). */
+#include "hot_params_gen.h"
 
-/* The chunk area (P_REFS_OFF, P_REF_SIZE bytes a chunk) is seen as int32
- * words: chunk c is words [c*CW, c*CW + CW), word 0 its link, then CI block
- * ids. A slot's loose list: P_S_HEAD is its first chunk, the partly filled
- * one with ((count - 1) % CI) + 1 ids; the chunks it links to are full
- * (see refs.py). A table's list runs the other way: P_T_HEAD its first,
+/* The chunk area (P_REFS_OFF, P_CHUNK_RECORD_BYTES bytes a chunk) is seen
+ * as int32 words: chunk c is words [c*CW, c*CW + CW), word 0 its link, then
+ * CI block ids. A slot's loose list: P_S_HEAD is its first chunk, the
+ * partly filled one with ((count - 1) % CI) + 1 ids; the chunks it links to
+ * are full (see refs.py). A table's list runs the other way: P_T_HEAD its first,
  * full chunk, P_T_TAIL the partly filled last one. The process-local map
  * holds, for each block, the words of its loose ids. */
 #define CI 15
@@ -84,26 +75,30 @@ typedef struct {
     int64_t claimed;        /* the table whose claim the current fused op took (-1: none) */
 } HotCore;
 
-#define BF(h, b, f, T) (*(T *)((h)->base + (h)->p[P_BLOCKS_OFF] + (int64_t)(b) * (h)->p[P_BLOCK_SIZE] + (h)->p[f]))
+/* The first byte of block record b, slot record s, table record t. */
+#define BLOCK_REC(h, b) \
+    ((h)->base + (h)->p[P_BLOCKS_OFF] + (int64_t)(b) * (h)->p[P_BLOCK_RECORD_BYTES])
+#define SLOT_REC(h, s) \
+    ((h)->base + (h)->p[P_SLOTS_OFF] + (int64_t)(s) * (h)->p[P_SLOT_RECORD_BYTES])
+#define TABLE_REC(h, t) \
+    ((h)->base + (h)->p[P_TABLES_OFF] + (int64_t)(t) * (h)->p[P_TABLE_RECORD_BYTES])
+
+#define BF(h, b, f, T) (*(T *)(BLOCK_REC(h, b) + (h)->p[f]))
 #define REF(h, b) BF(h, b, P_B_REF, int32_t)
 #define PREV(h, b) BF(h, b, P_B_PREV, int32_t)
 #define NEXT(h, b) BF(h, b, P_B_NEXT, int32_t)
 #define FLAGS(h, b) BF(h, b, P_B_FLAGS, uint16_t)
 #define TOK(h, b) BF(h, b, P_B_TOK, uint16_t)
 #define LAST(h, b) BF(h, b, P_B_LAST, float)
-#define RF(h, r, f) (*(int32_t *)((h)->base + (h)->p[P_REFS_OFF] + (int64_t)(r) * (h)->p[P_REF_SIZE] + (h)->p[f]))
-#define RBLOCK(h, r) RF(h, r, P_R_BLOCK)
-#define RNEXT(h, r) RF(h, r, P_R_NEXT)
-#define TF(h, t, f) (*(int32_t *)((h)->base + (h)->p[P_TABLES_OFF] + (int64_t)(t) * (h)->p[P_TABLE_SIZE] + (h)->p[f]))
-#define SF(h, s, f) (*(int32_t *)((h)->base + (h)->p[P_SLOTS_OFF] + (int64_t)(s) * (h)->p[P_SLOT_SIZE] + (h)->p[f]))
+#define TF(h, t, f) (*(int32_t *)(TABLE_REC(h, t) + (h)->p[f]))
+#define SF(h, s, f) (*(int32_t *)(SLOT_REC(h, s) + (h)->p[f]))
 #define C(h, i) ((h)->c[(h)->p[i]])
 
 #define NCHUNKS(h) ((h)->nchunks)
 #define IS_BLOCK(h, b) ((b) >= 1 && (b) < (h)->p[P_MAX_BLOCKS])
 #define IS_CHUNK(h, c) ((c) >= 0 && (c) < NCHUNKS(h))
 #define W(h, g) (((int32_t *)((h)->base + (h)->p[P_REFS_OFF]))[g])
-#define GEN(h, b) (*(uint32_t *)((h)->base + (h)->p[P_BLOCKS_OFF] + \
-                                  (int64_t)(b) * (h)->p[P_BLOCK_SIZE] + (h)->gen_off))
+#define GEN(h, b) (*(uint32_t *)(BLOCK_REC(h, b) + (h)->gen_off))
 #define NCH_FOR(n) (((n) + CI - 1) / CI)
 
 /* The marks a block's prev carries while slot s holds it as a loose
@@ -175,29 +170,30 @@ hot_open(HotCore *h, void *buf, int64_t len, const int64_t *params, double creat
      * arrays must lie inside the mapping */
     if (p[P_MAX_SLOTS] > 0 &&
         (p[P_MAX_BLOCKS] < 1 || p[P_BLOCKS_OFF] < 0 || p[P_SLOTS_OFF] < 0 ||
-         p[P_BLOCKS_OFF] + (p[P_MAX_BLOCKS] + 2) * p[P_BLOCK_SIZE] > len ||
-         p[P_SLOTS_OFF] + p[P_MAX_SLOTS] * p[P_SLOT_SIZE] > len))
+         p[P_BLOCKS_OFF] + (p[P_MAX_BLOCKS] + 2) * p[P_BLOCK_RECORD_BYTES] > len ||
+         p[P_SLOTS_OFF] + p[P_MAX_SLOTS] * p[P_SLOT_RECORD_BYTES] > len))
         return "buffer too small for the pool's blocks and slots";
-    if (p[P_MAX_SLOTS] > 0 && (p[P_S_RESERVED] < 0 || p[P_S_RESERVED] + 4 > p[P_SLOT_SIZE]))
+    if (p[P_MAX_SLOTS] > 0 &&
+        (p[P_S_RESERVED] < 0 || p[P_S_RESERVED] + 4 > p[P_SLOT_RECORD_BYTES]))
         return "a slot's reserve count lies outside its record";
     /* find_chain indexes the prefix index (a power of two of int32 slots) */
     if (p[P_HASH_CAP] > 0 &&
         ((p[P_HASH_CAP] & (p[P_HASH_CAP] - 1)) || p[P_HASH_OFF] < 0 ||
-         p[P_B_HASH] < 0 || p[P_B_HASH] + 16 > p[P_BLOCK_SIZE] ||
+         p[P_B_HASH] < 0 || p[P_B_HASH] + 16 > p[P_BLOCK_RECORD_BYTES] ||
          p[P_HASH_OFF] + p[P_HASH_CAP] * 4 > len))
         return "buffer too small for the pool's prefix index";
     /* the table ops index table records, and the request-id index (a power
      * of two of int32 slots) */
     if (p[P_MAX_TABLES] > 0 &&
-        (p[P_TABLES_OFF] < 0 || p[P_TABLE_SIZE] < 4 ||
-         p[P_TABLES_OFF] + p[P_MAX_TABLES] * p[P_TABLE_SIZE] > len ||
+        (p[P_TABLES_OFF] < 0 || p[P_TABLE_RECORD_BYTES] < 4 ||
+         p[P_TABLES_OFF] + p[P_MAX_TABLES] * p[P_TABLE_RECORD_BYTES] > len ||
          p[P_TINDEX_CAP] <= 0 || (p[P_TINDEX_CAP] & (p[P_TINDEX_CAP] - 1)) ||
          p[P_TINDEX_OFF] < 0 ||
          p[P_TINDEX_OFF] + p[P_TINDEX_CAP] * 4 > len ||
          p[P_RID_BYTES] <= 0 || p[P_T_RID] < 0 ||
-         p[P_T_RID] + p[P_RID_BYTES] > p[P_TABLE_SIZE] ||
-         p[P_T_RHASH] < 0 || p[P_T_RHASH] + 8 > p[P_TABLE_SIZE] ||
-         p[P_T_CLAIM] < 0 || p[P_T_CLAIM] + 4 > p[P_TABLE_SIZE]))
+         p[P_T_RID] + p[P_RID_BYTES] > p[P_TABLE_RECORD_BYTES] ||
+         p[P_T_RHASH] < 0 || p[P_T_RHASH] + 8 > p[P_TABLE_RECORD_BYTES] ||
+         p[P_T_CLAIM] < 0 || p[P_T_CLAIM] + 4 > p[P_TABLE_RECORD_BYTES]))
         return "buffer too small for the pool's tables";
     h->base = (char *)buf;
     h->len = len;
@@ -224,22 +220,25 @@ hot_open(HotCore *h, void *buf, int64_t len, const int64_t *params, double creat
 static inline int64_t
 hot_chunks_room(const HotCore *h)
 {
-    if (h->p[P_MAX_SLOTS] <= 0 || h->p[P_REF_SIZE] != CW * 4 || h->p[P_REFS_OFF] <= 0 ||
-        h->p[P_REFS_OFF] >= h->len)
+    if (h->p[P_MAX_SLOTS] <= 0 || h->p[P_CHUNK_RECORD_BYTES] != CW * 4 ||
+        h->p[P_REFS_OFF] <= 0 || h->p[P_REFS_OFF] >= h->len)
         return 0;
-    return (h->len - h->p[P_REFS_OFF]) / h->p[P_REF_SIZE];
+    return (h->len - h->p[P_REFS_OFF]) / h->p[P_CHUNK_RECORD_BYTES];
 }
 
-/* set_chunks(nchunks, gen_off, c_tokens): the pool's chunk count (at most
- * what fits the mapping, hot_chunks_room), a block record's generation
- * offset and the counter of the seed's token count. 0; -1 (nothing set)
- * when the chunks do not fit, -2 for a bad offset or counter. */
+/* set_chunks(nchunks): the pool's chunk count (at most what fits the
+ * mapping, hot_chunks_room); it turns the fused ops on, with a block
+ * record's generation (P_B_GEN) and the counter of the seed's token count
+ * (P_C_TOKENS). 0; -1 (nothing set) when the chunks do not fit, -2 for a
+ * bad offset or counter. */
 static inline int
-hot_set_chunks(HotCore *h, int64_t n, int64_t gen_off, int64_t c_tokens)
+hot_set_chunks(HotCore *h, int64_t n)
 {
+    const int64_t gen_off = h->p[P_B_GEN], c_tokens = h->p[P_C_TOKENS];
     if (n < 0 || n > hot_chunks_room(h))
         return -1;
-    if (gen_off < 0 || gen_off + 4 > h->p[P_BLOCK_SIZE] || c_tokens < 0 || c_tokens >= 64)
+    if (gen_off < 0 || gen_off + 4 > h->p[P_BLOCK_RECORD_BYTES] ||
+        c_tokens < 0 || c_tokens >= 64)
         return -2;
     h->nchunks = n;
     h->gen_off = gen_off;

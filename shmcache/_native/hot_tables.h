@@ -62,7 +62,7 @@ hot_table_new(HotCore *h, const char *raw, int64_t n, uint64_t hash, int slot)
             break;
         if (e >= h->p[P_MAX_TABLES])
             return HOT_SLOW;
-        rid = h->base + h->p[P_TABLES_OFF] + (int64_t)e * h->p[P_TABLE_SIZE] + h->p[P_T_RID];
+        rid = TABLE_REC(h, e) + h->p[P_T_RID];
         if (!memcmp(rid, raw, n) && (n == h->p[P_RID_BYTES] || rid[n] == 0))
             return HOT_SLOW;                /* taken (trailing NULs are padding) */
     }
@@ -77,7 +77,7 @@ hot_table_new(HotCore *h, const char *raw, int64_t n, uint64_t hash, int slot)
     if (t == h->p[P_MAX_TABLES])
         return HOT_SLOW;
     {
-        char *rec = h->base + h->p[P_TABLES_OFF] + (int64_t)t * h->p[P_TABLE_SIZE];
+        char *rec = TABLE_REC(h, t);
         memcpy(rec + h->p[P_T_RID], raw, n);
         memset(rec + h->p[P_T_RID] + n, 0, h->p[P_RID_BYTES] - n);
         memcpy(rec + h->p[P_T_RHASH], &hash, 8);

@@ -90,7 +90,7 @@ test: setup lint mypy seed-test
 		tests/test_seed_consumer.py tests/test_tables.py
 
 run: setup
-	$(BIN)/python -m workers.supervisor
+	$(BIN)/python -m tools.demo
 
 bench: setup
 	$(BIN)/pip install -q --no-deps vllm-mlx==0.6.0

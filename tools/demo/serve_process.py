@@ -1,4 +1,4 @@
-"""``shmcache serve`` as a subprocess of the supervisor: start, scrape, kill workers, stop.
+"""``shmcache serve`` as a subprocess of the demo driver: start, scrape, kill workers, stop.
 
 With ``--l2 local`` it also runs a throwaway ``redis-server``
 (``tools/redis_server.py``) for the server's L2, stopped with it.

@@ -1,4 +1,4 @@
-"""The supervisor's report: figures of a run (``percentiles``) and its text (``print_report``)."""
+"""The demo driver's report: figures of a run (``percentiles``) and its text (``print_report``)."""
 
 from __future__ import annotations
 

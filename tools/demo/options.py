@@ -1,4 +1,4 @@
-"""The command line of ``python -m workers.supervisor`` (what ``make run`` calls)."""
+"""The command line of ``python -m tools.demo`` (what ``make run`` calls)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ Definitions (the same in the progress line, the report and the README):
 def parse_args(argv=None):
     """The options, checked (a bad one exits 2 with the reason, as argparse does)."""
     ap = argparse.ArgumentParser(
-        prog="python -m workers.supervisor",
+        prog="python -m tools.demo",
         description="Drive shmcache serve with the built-in workload and report on the run.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=2, help="server worker processes (default 2)")

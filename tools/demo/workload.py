@@ -1,4 +1,4 @@
-"""The built-in workload of ``python -m workers.supervisor``: a shared system
+"""The built-in workload of ``python -m tools.demo``: a shared system
 prompt, varied user turns.
 
 Deterministic in its seed. Most requests share one long system prompt (the

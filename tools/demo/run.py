@@ -1,4 +1,4 @@
-"""One run of the supervisor: the workload sent to the server from a few
+"""One run of the demo driver: the workload sent to the server from a few
 client threads at once (so that it batches them), progress, worker kills,
 and the report's figures.
 """

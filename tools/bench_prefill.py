@@ -3,7 +3,7 @@
     python -m tools.bench_prefill lengths [1024 2048 4096 8192]
     python -m tools.bench_prefill rows T N      # one request of N samples over T tokens
 
-``lengths``: the engine (``shmcache.server.engine.Engine`` over a fresh
+``lengths``: the engine (``workers.worker.engine.Engine`` over a fresh
 pool, ``--prefill-step`` 512) against mlx-lm's own ``KVCache`` fed the same
 512-token chunks, on the demo model (``shmcache.demo_model``), each a
 single run; then the time of each 512-token chunk by its position.
@@ -40,9 +40,9 @@ def _prompt(n: int, seed: int) -> list:
 
 
 def _engine(model, lay, prompt, n=1, max_tokens=1, temperature=0.0, watch=None):
-    from shmcache.server.engine import Engine
-    from shmcache.server.protocol import SamplingParams
-    from shmcache.server.wire import Gen
+    from workers.worker.engine import Engine
+    from workers.protocol import SamplingParams
+    from workers.wire import Gen
     name = f"bench-prefill-{os.getpid()}"
     mgr = shmcache.create_pool(name, block_size=16, max_blocks=len(prompt) // 16 * 2 + 64 * n,
                                **lay)

@@ -19,7 +19,7 @@ from collections import deque
 import psutil
 
 STOP_TIMEOUT_S = 40.0     # the server's graceful stop (5 s) plus its workers' (10 s), with room
-WORKER_MODULE = "shmcache.server.worker"
+WORKER_MODULE = "workers.worker.main"
 
 
 class SupervisorError(Exception):

@@ -2,7 +2,7 @@
 sampler, seeded per (request, sample, step).
 
 A :class:`RowSampler` is built once per running sample (a row of the
-engine's batch) from the request's :class:`~shmcache.server.protocol.SamplingParams`,
+engine's batch) from the request's :class:`~workers.protocol.SamplingParams`,
 its seed and the sample's index. Calling it with the row's logits ``(V,)``
 and the row's token history (prompt, then the tokens generated so far)
 returns the next token as a lazy ``mx.array`` scalar, as
@@ -32,7 +32,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-from .protocol import SamplingParams, TokenLogprob
+from ..protocol import SamplingParams, TokenLogprob
 
 
 def step_seed(seed: int, sample: int, step: int) -> int:

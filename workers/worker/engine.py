@@ -80,12 +80,12 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
-from ..errors import OutOfBlocksError
-from ..layout import ITEMSIZE
-from ..mlx_lm import (PendingSequence, PoolBatchKVCache, PoolKVCache, PoolSequence, load_prefix,
-                      make_pool_cache)
+from shmcache.errors import OutOfBlocksError
+from shmcache.layout import ITEMSIZE
+from shmcache.mlx_lm import (PendingSequence, PoolBatchKVCache, PoolKVCache, PoolSequence,
+                             load_prefix, make_pool_cache)
 from .sampling import RowSampler
-from .wire import Gen
+from ..wire import Gen
 from . import step_timing
 
 log = logging.getLogger("shmcache.engine")

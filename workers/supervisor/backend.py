@@ -1,7 +1,7 @@
 """The supervisor of ``shmcache serve``: a pool, worker processes, routing.
 
 :class:`WorkerBackend` creates the pool (its layout and dtype read from the
-model), starts ``--workers`` worker processes (``shmcache.server.worker``)
+model), starts ``--workers`` worker processes (``workers.worker.main``)
 that attach to it by name, and sends each request to the least-loaded live
 worker. The cache is shared, so any worker finds any other's prefixes: no
 cache-aware routing is needed. One rule keeps a prefix from being computed
@@ -28,7 +28,7 @@ counters from the pool (every worker adds to them, a dead one's stay) and
 ``l2_up`` from the workers' reports.
 
 Creating the pool and starting, restarting and stopping the worker
-processes is :class:`~shmcache.server.worker_procs.WorkerLifecycle`'s, a
+processes is :class:`~workers.supervisor.worker_procs.WorkerLifecycle`'s, a
 mixin of :class:`WorkerBackend`; this module routes the requests and turns
 the workers' messages into each request's events.
 
@@ -45,8 +45,8 @@ import random
 from pathlib import Path
 from typing import AsyncIterator, Optional
 
-from . import wire
-from .protocol import Error, SampleDone, SamplingParams, Started, Tokens
+from .. import wire
+from ..protocol import Error, SampleDone, SamplingParams, Started, Tokens
 from .worker_procs import WorkerLifecycle, WorkerProc
 
 
@@ -114,7 +114,7 @@ class WorkerBackend(WorkerLifecycle):
         self.l2_shared = bool(cluster_secret)
         self.l2_model_id: Optional[str] = None
         if l2:
-            from ..l2 import check_url
+            from shmcache.l2 import check_url
             check_url(l2)
 
     # -------------------------------------------------------------- routing

@@ -1,7 +1,7 @@
 """Where an engine step's time goes (a diagnosis aid, off by default).
 
 With ``SHMCACHE_STEP_TIMING=DIR`` in a worker's environment, its
-:class:`~shmcache.server.engine.Engine` appends one line per step to
+:class:`~workers.worker.engine.Engine` appends one line per step to
 ``DIR/engine-<pid>.log``: the wall time, the gap since the previous step
 (the worker loop and the supervisor's messages), the rows before and after,
 and for each engine method called in the step ``name=calls:milliseconds``

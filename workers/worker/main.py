@@ -1,13 +1,13 @@
-"""A worker process of ``shmcache serve``: ``python -m shmcache.server.worker``.
+"""A worker process of ``shmcache serve``: ``python -m workers.worker.main``.
 
 It attaches to the pool by name, loads the model with mlx-lm, says
-:class:`~shmcache.server.wire.Ready`, and then runs its
-:class:`~shmcache.server.engine.Engine`: messages from the supervisor arrive
+:class:`~workers.wire.Ready`, and then runs its
+:class:`~workers.worker.engine.Engine`: messages from the supervisor arrive
 on stdin (read by a thread into a queue) and are taken between steps; events
 go back on a private copy of stdout. The worker exits when stdin closes (the
-supervisor is gone) or on :class:`~shmcache.server.wire.Stop`.
+supervisor is gone) or on :class:`~workers.wire.Stop`.
 
-Heartbeat: the main loop reports its :class:`~shmcache.server.wire.Load`
+Heartbeat: the main loop reports its :class:`~workers.wire.Load`
 every 0.5 s between steps; a thread repeats the last report when the main
 loop has sent none for 0.5 s (a long prefill is one step), so a worker that
 says nothing at all is stopped or hung, and the supervisor acts on it.
@@ -25,9 +25,8 @@ import time
 
 import shmcache  # first: binds the fast BLAS before mlx loads
 
-from . import wire
-
-L2_SECRET_ENV = "SHMCACHE_L2_SECRET"      # hex: the cluster secret, set by the supervisor
+from .. import wire
+from ..wire import L2_SECRET_ENV
 
 
 def _reader(q: queue.Queue) -> None:
@@ -55,7 +54,7 @@ def _heartbeat(writer, last: list, stop: threading.Event) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m shmcache.server.worker")
+    ap = argparse.ArgumentParser(prog="python -m workers.worker.main")
     ap.add_argument("--pool", required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--id", type=int, default=0)
@@ -75,8 +74,8 @@ def main(argv=None) -> int:
     os.dup2(2, 1)                   # anything printed goes to stderr
     writer = wire.Writer(out)
 
-    from ..mlx_lm import check_pool_matches, pool_layout
-    from ..weights import load_model_shared
+    from shmcache.mlx_lm import check_pool_matches, pool_layout
+    from shmcache.weights import load_model_shared
     from .engine import Engine
 
     model, tokenizer = load_model_shared(args.model)   # one copy of the weights for all workers

@@ -17,7 +17,7 @@ import msgspec
 
 
 class SamplingParams(msgspec.Struct, frozen=True):
-    """How a request's tokens are chosen (see :mod:`shmcache.server.sampling`).
+    """How a request's tokens are chosen (see :mod:`workers.worker.sampling`).
 
     The logits processors (``logit_bias``, the three penalties, each over
     the last ``*_context_size`` tokens of prompt + output) and the sampler

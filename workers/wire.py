@@ -18,6 +18,10 @@ import msgspec
 
 from .protocol import SamplingParams, TokenLogprob
 
+#: the environment variable through which the supervisor hands a worker the
+#: L2 cluster secret (hex), not on its command line
+L2_SECRET_ENV = "SHMCACHE_L2_SECRET"
+
 
 # ------------------------------------------------------------- to a worker
 class Gen(msgspec.Struct, tag="gen"):

@@ -2,9 +2,9 @@
 
 :class:`WorkerProc` is one worker process as the supervisor sees it (its
 pipes, its requests in flight, what it last reported). :class:`WorkerLifecycle`
-is the part of :class:`~shmcache.server.backend.WorkerBackend` that creates
+is the part of :class:`~workers.supervisor.backend.WorkerBackend` that creates
 the pool (its layout and dtype read from the model), starts the workers
-(``python -m shmcache.server.worker``, attached to the pool by name, with
+(``python -m workers.worker.main``, attached to the pool by name, with
 the L2 flags when there is an L2 tier), reads what they send, restarts one
 that dies (after the pool released what it held) and stops them all.
 
@@ -44,8 +44,8 @@ import msgspec
 
 import shmcache
 
-from . import wire
-from .protocol import Error
+from .. import wire
+from ..protocol import Error
 
 log = logging.getLogger("shmcache.server")
 
@@ -84,9 +84,9 @@ def reclaim_dead_pools(pattern: str = POOL_PREFIX + "*") -> list:
     The owner is the pid *and* start time the pool records, so a pool left by
     a dead server whose pid we now have (pid 1 in a container) is dead too.
     A pool of another user is never touched (it cannot be opened)."""
-    from .. import segment
-    from ..errors import ShmCacheError
-    from ..inspect_pool import PoolView, cleanup
+    from shmcache import segment
+    from shmcache.errors import ShmCacheError
+    from shmcache.inspect_pool import PoolView, cleanup
     out = []
     for name in segment.list_names():
         if not fnmatch.fnmatchcase(name, pattern):
@@ -247,9 +247,9 @@ class WorkerLifecycle:
         import mlx.core as mx  # noqa: F401  (after shmcache: the fast BLAS)
         from mlx_lm.utils import load_model
 
-        from .. import layout as L
-        from .. import segment
-        from ..mlx_lm import pool_layout
+        from shmcache import layout as L
+        from shmcache import segment
+        from shmcache.mlx_lm import pool_layout
         model, config = load_model(self.path, lazy=True)
         lay = pool_layout(model)
         del model
@@ -278,7 +278,7 @@ class WorkerLifecycle:
             self._start_l2()
 
     def _start_l2(self) -> None:
-        from .. import l2
+        from shmcache import l2
         self.l2_model_id = l2.model_identity(self.path)
         client = l2.connect(self.l2_url, 1.0)       # (raises without redis-py)
         try:
@@ -301,15 +301,14 @@ class WorkerLifecycle:
         extra = []
         if self.l2_url:
             if self._l2_secret is not None:
-                from .worker import L2_SECRET_ENV
-                env[L2_SECRET_ENV] = self._l2_secret.hex()
+                env[wire.L2_SECRET_ENV] = self._l2_secret.hex()
             extra = ["--l2", self.l2_url, "--l2-model-id", self.l2_model_id]
             for flag, v in (("--l2-timeout", self.l2_timeout), ("--l2-retry", self.l2_retry),
                             ("--l2-ttl", self.l2_ttl)):
                 if v is not None:
                     extra += [flag, str(v)]
         w.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "shmcache.server.worker", "--pool", self.pool_name,
+            sys.executable, "-m", "workers.worker.main", "--pool", self.pool_name,
             "--model", str(self.path), "--id", str(w.idx), "--max-batch", str(self.max_batch),
             "--prefill-step", str(self.prefill_step),
             "--max-working-bytes", str(self.working_bytes_limit()), *extra,

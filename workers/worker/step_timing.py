@@ -8,7 +8,7 @@ and for each engine method called in the step ``name=calls:milliseconds``
 (inclusive: ``_admit`` contains ``_prefill_chunk``, which contains
 ``_forward_chunk``). Unset, nothing is wrapped and nothing is written.
 
-    SHMCACHE_STEP_TIMING=/tmp/t python -m tools.bench_serve --only a ...
+    SHMCACHE_STEP_TIMING=/tmp/t python -m tools.bench.serve --only a ...
 """
 import functools
 import os

@@ -1,4 +1,4 @@
-"""``python -m tools.bench_pool --profile``: where shmcache's time goes in items 1-3.
+"""``python -m tools.bench.pool --profile``: where shmcache's time goes in items 1-3.
 
 cProfile of items 1 (``allocate_block`` + ``free_block``), 2
 (``get_new_blocks(64)`` + ``free_block_batch``) and 3 (``cache_full_blocks``
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 
-from tools.bench_pool import Pools, batch_loop, pair_loop, perf
+from tools.bench.pool_fixtures import Pools, batch_loop, pair_loop, perf
 
 
 def profile(n_pair: int = 30000, n_batch: int = 1500, n_prefix: int = 203, top: int = 25) -> None:

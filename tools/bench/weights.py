@@ -1,7 +1,7 @@
 """Memory of N processes holding one model: private copies (mlx_lm.load) against
 one shared mapping (shmcache.weights.load_model_shared), and decode speed of each.
 
-    python -m tools.bench_weights [--model DIR] [--layers 24] [--n 1,2,4] [--rounds 2]
+    python -m tools.bench.weights [--model DIR] [--layers 24] [--n 1,2,4] [--rounds 2]
 
 Without --model it builds (once, under --workdir) a random model of
 Qwen2.5-0.5B's shape (qwen2, hidden 896, 14 heads over 2 KV heads, head_dim
@@ -48,7 +48,7 @@ def child(mode: str, model_dir: str, decode_tokens: int) -> None:
 
 
 def start(mode, model_dir, decode_tokens=0):
-    return subprocess.Popen([sys.executable, "-m", "tools.bench_weights", "--child", mode, model_dir,
+    return subprocess.Popen([sys.executable, "-m", "tools.bench.weights", "--child", mode, model_dir,
                              str(decode_tokens)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True)
 

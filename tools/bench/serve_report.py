@@ -1,4 +1,4 @@
-"""The tables ``tools.bench_serve`` prints: per workload, the figures of every
+"""The tables ``tools.bench.serve`` prints: per workload, the figures of every
 configuration (min-max over rounds) and the ratios of (a) to each other
 configuration, paired round by round, with issue 26's targets checked.
 """

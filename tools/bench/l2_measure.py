@@ -1,10 +1,10 @@
-"""The three measurements of ``python -m tools.bench_l2`` (see its docstring).
+"""The three measurements of ``python -m tools.bench.l2`` (see its docstring).
 
 ``ttft_part`` (time to the first token: computed, from L2, an L1 hit, on two
 servers sharing one Redis), ``bandwidth_part`` (blocks written to Redis by
 one pool's ``L2Tier`` and loaded by another's, in this process) and
 ``throughput_part`` (``--l2`` with no hits against no ``--l2``); each
-returns its raw figures, which ``tools.bench_l2`` turns into tables. With
+returns its raw figures, which ``tools.bench.l2`` turns into tables. With
 them, what they share: one streamed completion request timed
 (``request``), a server's Prometheus counters (``metric``,
 ``wait_metric``) and a ``shmcache serve`` started and waited for.
@@ -20,8 +20,8 @@ import time
 
 import httpx
 
-from tools.bench_serve import Server, free_port
-from tools.bench_serve_client import one_request
+from tools.bench.serve import Server, free_port
+from tools.bench.serve_client import one_request
 
 PROMPT_TOKENS = 2048
 SECRET = "bench-l2-secret"

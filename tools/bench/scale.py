@@ -1,4 +1,4 @@
-"""How the pool scales with processes: ``python -m tools.bench_scale``.
+"""How the pool scales with processes: ``python -m tools.bench.scale``.
 
 N independent processes attach to one pool by name and run one mix for a
 fixed time, all starting together; the table gives ops/s summed over the
@@ -29,7 +29,7 @@ Mixes (block size 16):
   compute): how far the machine itself lets N processes scale. Not in the
   default ``--mix``.
 
-    python -m tools.bench_scale --processes 1,2,4,8,16 --seconds 4
+    python -m tools.bench.scale --processes 1,2,4,8,16 --seconds 4
 
 ``--repeat K`` runs every point K times, in interleaved rounds, and prints
 medians with their ranges; ``--steps`` also times each step of a serving op
@@ -52,9 +52,9 @@ import time
 
 import numpy as np
 
-from tools import lock_trace
+from tools.bench import lock_trace
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BS = 16
 SYSTEM_BLOCKS = 32
 RESERVE = 64            # the reserved mix's reserve per process
@@ -188,7 +188,7 @@ def run_point(mix: str, n: int, seconds: float, max_blocks: int, steps: bool = F
         for i in range(n):
             out = os.path.join(tmp, f"{i}.json")
             procs.append((subprocess.Popen(
-                [sys.executable, "-m", "tools.bench_scale", "--worker", name, "--mix", mix,
+                [sys.executable, "-m", "tools.bench.scale", "--worker", name, "--mix", mix,
                  "--start-at", repr(start_at), "--seconds", str(seconds), "--seed", str(i),
                  "--out", out] + (["--steps"] if steps else []) + (["--trace"] if trace else []),
                 cwd=ROOT), out))
@@ -272,7 +272,7 @@ def steps_table(rows) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.bench_scale", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.bench.scale", description=__doc__.split("\n\n")[0])
     ap.add_argument("--processes", default=f"1,2,{os.cpu_count() or 2}",
                     help="comma-separated process counts (default 1,2,<CPUs>)")
     ap.add_argument("--seconds", type=float, default=4.0, help="run time per point (default 4)")
@@ -288,7 +288,7 @@ def main(argv=None) -> int:
                     help="serving mix: also time each step of a request (mean µs per op, per N)")
     ap.add_argument("--trace", action="store_true",
                     help="trace every hold of the pool lock and report how its time splits into "
-                         "held, handed over and idle (tools/lock_trace.py)")
+                         "held, handed over and idle (tools/bench/lock_trace.py)")
     for a in ("--worker", "--start-at", "--seed", "--out"):
         ap.add_argument(a, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -318,7 +318,7 @@ def main(argv=None) -> int:
                 rows.append(run_point(mix, n, args.seconds, args.max_blocks, args.steps,
                                      args.trace))
     rows.sort(key=lambda r: mixes.index(r["mix"]))      # (stable: rounds stay in order)
-    print(f"python -m tools.bench_scale --processes {args.processes} --seconds {args.seconds:g} "
+    print(f"python -m tools.bench.scale --processes {args.processes} --seconds {args.seconds:g} "
           f"--repeat {args.repeat} --mix {args.mix} (CPUs: {os.cpu_count()})")
     print(table(rows))
     if args.steps:

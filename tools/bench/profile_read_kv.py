@@ -1,6 +1,6 @@
 """What one read_kv call costs at the sizes the engine reads, next to np.copyto.
 
-    python -m tools.profile_read_kv [--shape llama8b|demo] [--blocks 16 128 512] [--cold]
+    python -m tools.bench.profile_read_kv [--shape llama8b|demo] [--blocks 16 128 512] [--cold]
 
 One read is one layer of one sequence's prefix (``mlx_lm.load_prefix``).
 ``llama8b``: a Llama-3-8B layer (8 KV heads of 128, float16); ``demo``: the

@@ -1,6 +1,6 @@
 """The K/V payload a workload writes, so that any reader knows its bytes.
 
-Used by :mod:`tools.workload_driver` (the random workload of the stress
+Used by :mod:`tools.stress.workload_driver` (the random workload of the stress
 tool's workers and of the tests' workers) and by the tests that check what
 a worker wrote. Two patterns, both exact in float32 (integers below 2**24):
 

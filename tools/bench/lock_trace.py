@@ -1,5 +1,5 @@
 """Where the pool lock's time goes between holds: the analysis behind
-``python -m tools.bench_scale --trace``.
+``python -m tools.bench.scale --trace``.
 
 Each process traces its holds of the pool lock (``_hot.log_holds(2)``, and
 ``PoolLock.trace`` for the Python path): for each, when it asked for the

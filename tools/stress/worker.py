@@ -2,7 +2,7 @@
 
 Each worker process (started by the runner in :mod:`tools.stress` as
 ``python -m tools.stress --worker NAME ...``) attaches to the pool by name
-and runs the random workload of :mod:`tools.workload_driver` (bounded by
+and runs the random workload of :mod:`tools.stress.workload_driver` (bounded by
 its demand, every payload it reads checked) until SIGTERM or until its
 parent dies, then releases everything and detaches. It reports progress,
 peak RSS/PSS, its waits for the pool lock and any mismatch, violation or
@@ -21,7 +21,7 @@ import traceback
 
 import psutil
 
-from tools.workload_driver import Workload
+from tools.stress.workload_driver import Workload
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 2, 2, 16      # the stress pool's shape
 EXIT_ATTACH_FULL = 3

@@ -1,4 +1,4 @@
-"""The workloads of ``tools.bench_serve``, the client that sends them, and their figures.
+"""The workloads of ``tools.bench.serve``, the client that sends them, and their figures.
 
 Three workloads (seeded: the same text for every configuration):
 

@@ -2,13 +2,13 @@
 
 The parent creates a pool and spawns ``--processes`` workers (``python -m
 tools.stress --worker ...``) that attach by name and run the random workload
-of :mod:`tools.workload_driver` (requests that acquire a cached prefix and
+of :mod:`tools.stress.workload_driver` (requests that acquire a cached prefix and
 publish their full blocks, decode appends with copy-on-write after forks,
 forks of each other's tables, verification reads, private allocations,
 touch, free, batch free, eviction, lookups, stats, checks), each bounded by
 a demand so that together they ask for ``--overcommit`` times the pool's
 blocks. Every block read back is compared with the bytes its writer (or
-publisher) wrote (see :mod:`tools.workload_payload`):
+publisher) wrote (see :mod:`tools.stress.workload_payload`):
 
 * a block of a request's table holds, at each token position, a pattern
   derived from the chain of token ids up to its block (and the request's
@@ -45,12 +45,11 @@ import time
 
 import psutil
 
-from tools.lockwatch import lock_waiters
-from tools.stress_worker import (EXIT_ATTACH_FULL, HEAD_DIM, NUM_KV_HEADS, NUM_LAYERS,
+from tools.stress.lockwatch import lock_waiters
+from tools.stress.worker import (EXIT_ATTACH_FULL, HEAD_DIM, NUM_KV_HEADS, NUM_LAYERS,
                                  worker_main)
-from tools.stress_worker import Worker  # noqa: F401  (re-exported: tests drive stress.Worker)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # ================================================================== parent

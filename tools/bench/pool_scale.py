@@ -1,12 +1,12 @@
-"""Pool benchmark, items 4 and 5 (see :mod:`tools.bench_pool` for the whole list).
+"""Pool benchmark, items 4 and 5 (see :mod:`tools.bench.pool` for the whole list).
 
 4. Creating a 1,000,000-block pool, and the metadata bytes per block, against
    the seed's ``PagedCacheManager(max_blocks=1_000_000)``.
 5. Aggregate batched throughput of 2 worker processes against 1. A worker is
-   started on its own as ``python -m tools.bench_pool --worker NAME`` (which
+   started on its own as ``python -m tools.bench.pool --worker NAME`` (which
    runs :func:`worker_main` here) and attaches to the pool by name.
 
-:func:`tools.bench_pool.run` calls :func:`bench_create` and
+:func:`tools.bench.pool.run` calls :func:`bench_create` and
 :func:`bench_scaling`; this module uses its helpers.
 """
 
@@ -22,8 +22,8 @@ import time
 
 import shmcache
 from shmcache import segment
-from tools.bench import row
-from tools.bench_pool import BATCH, PREFIX, ROOT, Pools, perf, seed_batch_free
+from tools.bench.table import row
+from tools.bench.pool_fixtures import BATCH, PREFIX, ROOT, Pools, perf, seed_batch_free
 
 
 # ----------------------------------------------------------------- item 4
@@ -133,7 +133,7 @@ class Worker:
     """A benchmark worker process, started on its own, that attaches by name."""
 
     def __init__(self, name: str) -> None:
-        self.p = subprocess.Popen([sys.executable, "-m", "tools.bench_pool", "--worker", name],
+        self.p = subprocess.Popen([sys.executable, "-m", "tools.bench.pool", "--worker", name],
                                   cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   text=True, bufsize=1)
 

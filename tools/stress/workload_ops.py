@@ -1,4 +1,4 @@
-"""The operations of the random workload (:mod:`tools.workload_driver`).
+"""The operations of the random workload (:mod:`tools.stress.workload_driver`).
 
 ``OPS`` is the weighted mix; :class:`WorkloadOps` holds one ``op_<name>``
 method per entry (requests that acquire a cached prefix and grow their
@@ -15,7 +15,7 @@ and checks (``write_chain``, ``verify_chain``, ``verify_table``,
 from __future__ import annotations
 
 from shmcache.errors import CapacityError, OutOfBlocksError
-from tools import workload_payload as P
+from tools.stress import workload_payload as P
 
 VOCAB = 50000
 MAX_TABLE_BLOCKS = 12

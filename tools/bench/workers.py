@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from tools.bench import row
+from tools.bench.table import row
 
 BS = 32
 SECTION = "workers"

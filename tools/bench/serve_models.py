@@ -1,4 +1,4 @@
-"""The models ``tools.bench_serve`` serves, named on its command line.
+"""The models ``tools.bench.serve`` serves, named on its command line.
 
     demo               the random demo model (shmcache.demo_model, 4 layers, hidden 256)
     realistic[:L]      random weights with Qwen2.5-0.5B's shape (qwen2, hidden 896, 14
@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tools.bench_serve_procs import log
+from tools.bench.serve_procs import log
 
 #: Qwen2.5-0.5B's compute without its vocabulary (NOTES.md, issue 26)
 REALISTIC = dict(hidden_size=896, num_attention_heads=14, num_key_value_heads=2, head_dim=64,

@@ -18,7 +18,7 @@ worker), mlx_lm.server gets it through LD_PRELOAD):
               core as a thread, with --llama-cpp and --gguf (or a .gguf --model);
               skipped, with the reason printed, where llama_cpp does not import
 
-Workloads (``--workloads``; tools.bench_serve_client has the details):
+Workloads (``--workloads``; tools.bench.serve_client has the details):
 
     shared    a shared system prompt of --system-chars characters, every
               --unique-every-th prompt unique instead; the first alone, then
@@ -55,8 +55,8 @@ rounds):
     cores busy      CPU seconds of those processes during the run / its wall time
     ratios          (a) / other, paired round by round, with issue 26's targets
 
-    python -m tools.bench_serve --model realistic:4 --workers 2 --rounds 2
-    python -m tools.bench_serve --model demo --workloads chat --configs a,c,c-sticky \\
+    python -m tools.bench.serve --model realistic:4 --workers 2 --rounds 2
+    python -m tools.bench.serve --model demo --workloads chat --configs a,c,c-sticky \\
         --json out.json
 
 A benchmark, not a test: unmet targets do not change the exit status; a run
@@ -83,14 +83,14 @@ from typing import Optional
 
 import httpx
 
-# the names other tools import from here (tools.bench_l2*) stay importable
-from tools.bench_serve_client import (ALPHABET, WORKLOADS, Req, build_chat,  # noqa: F401
+# the names other tools import from here (tools.bench.l2*) stay importable
+from tools.bench.serve_client import (ALPHABET, WORKLOADS, Req, build_chat,  # noqa: F401
                                       build_workload, chat_request, figures, one_request, pct,
                                       run_chat, run_workload, sticky_server, warmup_prompts)
-from tools.bench_serve_models import ModelError, resolve
-from tools.bench_serve_procs import (SHM_DIR, PssSampler, Server, _shm_entries,  # noqa: F401
+from tools.bench.serve_models import ModelError, resolve
+from tools.bench.serve_procs import (SHM_DIR, PssSampler, Server, _shm_entries,  # noqa: F401
                                      free_port, log, stop_all, tree_cpu_seconds, tree_pss)
-from tools.bench_serve_report import (TARGETS, _ms, _span, _table, report,  # noqa: F401
+from tools.bench.serve_report import (TARGETS, _ms, _span, _table, report,  # noqa: F401
                                       summarize)
 
 CONFIGS = ("a", "b", "c", "c-sticky", "llama")
@@ -299,7 +299,7 @@ def _csv(raw: str) -> list[str]:
 
 
 def parse_args(argv) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m tools.bench_serve", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m tools.bench.serve", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="demo",
                     help="demo, realistic[:LAYERS] (default 24 layers) or a model directory "
@@ -396,7 +396,7 @@ def _llama_skip(args) -> Optional[str]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    bench_cmd = shlex.join([sys.executable, "-m", "tools.bench_serve"] +
+    bench_cmd = shlex.join([sys.executable, "-m", "tools.bench.serve"] +
                            list(sys.argv[1:] if argv is None else argv))
     blas_path = _blas_path(args)
     if blas_path is None:

@@ -1,4 +1,4 @@
-"""The server processes ``tools.bench_serve`` starts, measures and stops.
+"""The server processes ``tools.bench.serve`` starts, measures and stops.
 
 :class:`Server` runs one server command in its own session (so that its
 process group is its own), waits for its ``/health``, and on ``stop`` kills

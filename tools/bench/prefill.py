@@ -1,7 +1,7 @@
 """Prefill time against prompt length, and a worker's memory against batch rows.
 
-    python -m tools.bench_prefill lengths [1024 2048 4096 8192]
-    python -m tools.bench_prefill rows T N      # one request of N samples over T tokens
+    python -m tools.bench.prefill lengths [1024 2048 4096 8192]
+    python -m tools.bench.prefill rows T N      # one request of N samples over T tokens
 
 ``lengths``: the engine (``workers.worker.engine.Engine`` over a fresh
 pool, ``--prefill-step`` 512) against mlx-lm's own ``KVCache`` fed the same

@@ -1,9 +1,9 @@
 """Holds of the pool lock per call of each of the seed's per-block calls:
-``python -m tools.bench_holds``.
+``python -m tools.bench.holds``.
 
 One process, one pool (block size 16, a 32-block system prompt published);
 each call is made ``--calls`` times with every hold traced
-(``_hot.log_holds(2)``, ``PoolLock.trace``: tools/lock_trace.py), and the
+(``_hot.log_holds(2)``, ``PoolLock.trace``: tools/bench/lock_trace.py), and the
 table gives per call the holds, the microseconds the lock was held, and the
 call's own wall time. A consumer written against vllm-mlx's ``paged_cache``
 makes these calls once per block; at N processes the lock's held share,
@@ -32,7 +32,7 @@ def measure(calls: int) -> list:
     try:
         nat = mgr._p.native
         if not hasattr(nat, "take_trace"):
-            raise SystemExit("tools.bench_holds: needs the C accelerator (not SHMCACHE_PURE)")
+            raise SystemExit("tools.bench.holds: needs the C accelerator (not SHMCACHE_PURE)")
         nat.log_holds(2)
         mgr._p.lock.trace = True
         sysp = list(range(SYSTEM_BLOCKS * BS))
@@ -70,7 +70,7 @@ def measure(calls: int) -> list:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.bench_holds", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.bench.holds", description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=2000, help="calls of each kind (default 2000)")
     args = ap.parse_args(argv)
     if args.calls < 1:

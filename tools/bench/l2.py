@@ -1,6 +1,6 @@
 """The Redis tier (L2) of ``shmcache serve``, measured.
 
-Three figures (``python -m tools.bench_l2``; a real ``redis-server`` is
+Three figures (``python -m tools.bench.l2``; a real ``redis-server`` is
 started on a free port by ``tools/redis_server.py``: no persistence,
 ``allkeys-lru``, 4 GB):
 
@@ -27,8 +27,8 @@ A benchmark, not a test: unmet targets do not change the exit status; a
 failure (no redis-server, a server that does not start, a wrong cached
 count) does (exit 1).
 
-    python -m tools.bench_l2
-    python -m tools.bench_l2 --rounds 5 --tp-rounds 3 --json out.json
+    python -m tools.bench.l2
+    python -m tools.bench.l2 --rounds 5 --tp-rounds 3 --json out.json
 """
 
 from __future__ import annotations
@@ -45,16 +45,16 @@ import tempfile
 
 import httpx
 
-# (the measurements are in tools.bench_l2_measure; here: the command line,
+# (the measurements are in tools.bench.l2_measure; here: the command line,
 # the run of the parts and the tables; the docstring above is --help's)
-from tools.bench_l2_measure import PROMPT_TOKENS, bandwidth_part, log, throughput_part, ttft_part
-from tools.bench_serve import _ms, _table
+from tools.bench.l2_measure import PROMPT_TOKENS, bandwidth_part, log, throughput_part, ttft_part
+from tools.bench.serve import _ms, _table
 from tools.redis_server import RedisServer, find_redis_server
 
 
 # ------------------------------------------------------------------ main
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.bench_l2", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m tools.bench.l2", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", metavar="DIR", help="model directory (default: the demo model)")
     ap.add_argument("--workers", type=int, default=1, help="workers per server (default 1)")
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    cmd = shlex.join([sys.executable, "-m", "tools.bench_l2"] +
+    cmd = shlex.join([sys.executable, "-m", "tools.bench.l2"] +
                      list(sys.argv[1:] if argv is None else argv))
     binary = find_redis_server()
     if binary is None:

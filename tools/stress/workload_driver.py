@@ -1,11 +1,11 @@
 """One random workload over a shared pool, checking every payload it reads.
 
-The driver of the stress tool's workers (:mod:`tools.stress_worker`) and of
+The driver of the stress tool's workers (:mod:`tools.stress.worker`) and of
 the tests' random workers (``tests/_proc_server.py random``): a weighted
 random mix of the whole API (``OPS`` and its operations, in
-:mod:`tools.workload_ops`) holding at most ``demand`` blocks. Every block
+:mod:`tools.stress.workload_ops`) holding at most ``demand`` blocks. Every block
 read back is compared with what its writer wrote (see
-:mod:`tools.workload_payload`); a wrong byte, a violated invariant or a leak
+:mod:`tools.stress.workload_payload`); a wrong byte, a violated invariant or a leak
 is recorded in ``r``, and with ``strict`` also raised as an AssertionError.
 This module holds that bookkeeping, the payload checks and the driving
 (``step``, ``release``).
@@ -18,8 +18,8 @@ import random
 import time
 
 from shmcache.errors import CapacityError
-from tools import workload_payload as P
-from tools.workload_ops import OPS, REFUSED, VOCAB, WorkloadOps
+from tools.stress import workload_payload as P
+from tools.stress.workload_ops import OPS, REFUSED, VOCAB, WorkloadOps
 
 
 class Workload(WorkloadOps):

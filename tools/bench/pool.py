@@ -29,164 +29,37 @@ the median of the trials (each trial runs many repetitions after a warm-up):
    seed's Python heap per block (tracemalloc; RSS delta in the note).
 5. Aggregate batched throughput (``get_new_blocks(64)`` + ``free_block_batch``,
    counted in blocks per second) of 2 worker processes against 1, each
-   started on its own with ``python -m tools.bench_pool --worker NAME`` and
+   started on its own with ``python -m tools.bench.pool --worker NAME`` and
    attaching by name, all running over the same wall-clock window. The seed
    column gives, for reference, 1 and 2 threads sharing one seed manager (the
    only way the seed can be shared).
 
 Items 4 and 5 (with the ``--worker`` process mode) are in
-``tools/bench_pool_scale.py``; :func:`run` here runs all five.
+``tools/bench/pool_scale.py``; :func:`run` here runs all five. What the items
+share (the seed, the pools, the timing loops) is ``tools/bench/pool_fixtures.py``.
 
-``python -m tools.bench_pool --profile`` profiles items 1, 2 and 3 for
+``python -m tools.bench.pool --profile`` profiles items 1, 2 and 3 for
 shmcache (cProfile, plus a break-down of the fixed cost of one locked call);
-that is ``tools/bench_pool_profile.py``.
+that is ``tools/bench/pool_profile.py``.
 """
 
 from __future__ import annotations
 
 import gc
-import importlib
-import importlib.util
 import os
 import random
 import statistics
 import sys
-import time
-
-import shmcache
-from shmcache import segment
 
 try:
-    from tools.bench import row
+    import tools.bench  # noqa: F401
 except ImportError:  # run as a file
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from tools.bench import row
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-PREFIX = f"bench-{os.getpid()}-"
-BATCH = 64
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-perf = time.perf_counter
-
-
-# ---------------------------------------------------------------- the seed
-def load_seed():
-    """The seed module ``vllm_mlx.paged_cache``, or None if it is not installed."""
-    try:
-        return importlib.import_module("vllm_mlx.paged_cache")
-    except ImportError as e:
-        if e.name in ("vllm_mlx", "vllm_mlx.paged_cache"):
-            return None
-        _log(f"importing vllm_mlx.paged_cache failed ({e}); loading the file alone")
-    except (RuntimeError, AttributeError, OSError) as e:
-        _log(f"importing vllm_mlx.paged_cache failed ({e}); loading the file alone")
-    spec = importlib.util.find_spec("vllm_mlx")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = os.path.join(next(iter(spec.submodule_search_locations)), "paged_cache.py")
-    s = importlib.util.spec_from_file_location("_seed_paged_cache", path)
-    mod = importlib.util.module_from_spec(s)
-    sys.modules[s.name] = mod
-    s.loader.exec_module(mod)
-    return mod
-
-
-def seed_batch_free(mgr):
-    """(callable freeing a list of blocks, how) for a seed manager."""
-    d = type(mgr).__dict__
-    for name in ("free_block_batch", "free_blocks"):
-        f = d.get(name)
-        if callable(f) and not isinstance(f, property):
-            return getattr(mgr, name), f"seed {name}(blocks)"
-    free = mgr.free_block
-
-    def loop(blocks):
-        for b in blocks:
-            free(b.block_id)
-    return loop, "seed free_block per block (no batch free reachable)"
-
-
-# ----------------------------------------------------------------- helpers
-class Pools:
-    """Named pools made by this benchmark; ``close`` detaches and destroys them all."""
-
-    def __init__(self) -> None:
-        self.creators, self.attached, self._n = [], [], 0
-
-    def create(self, tag: str, **kw):
-        """(name, attached manager) of a new pool."""
-        self._n += 1
-        name = f"{PREFIX}{tag}-{self._n}"
-        self.creators.append(shmcache.create_pool(name, **kw))
-        m = shmcache.attach(name)
-        self.attached.append(m)
-        return name, m
-
-    def close(self) -> None:
-        for m in self.attached:
-            try:
-                m.close()
-            except (shmcache.ShmCacheError, OSError) as e:
-                _log(f"closing {m.name}: {e}")
-        for c in self.creators:
-            try:
-                c.destroy()
-            except (shmcache.ShmCacheError, OSError) as e:
-                _log(f"destroying {c.name}: {e}")
-        self.attached, self.creators = [], []
-        cleanup_segments()
-
-
-def cleanup_segments() -> list:
-    left = [n for n in segment.list_names() if n.startswith(PREFIX)]
-    for n in left:
-        segment.unlink(n)
-    return left
-
-
-def calibrate(fn, target_s: float) -> int:
-    """Iterations of ``fn(n) -> seconds`` for one trial of about ``target_s``."""
-    n = 8
-    while True:
-        t = fn(n)
-        if t >= 0.02 or n >= 1 << 24:
-            return max(1, int(n * target_s / max(t, 1e-9)))
-        n *= 4
-
-
-def interleaved(fns: dict, trials: int, target_s: float, per: int = 1) -> dict:
-    """Median seconds per unit of each ``fns[k](n) -> seconds`` (n iterations of
-    ``per`` units), trials alternating between the implementations."""
-    ns = {k: calibrate(f, target_s) for k, f in fns.items()}
-    res = {k: [] for k in fns}
-    keys = list(fns)
-    for i in range(trials):
-        for k in (keys if i % 2 == 0 else keys[::-1]):
-            gc.collect()
-            res[k].append(fns[k](ns[k]) / (ns[k] * per))
-    return {k: statistics.median(v) for k, v in res.items()}
-
-
-def pair_loop(m):
-    alloc, free = m.allocate_block, m.free_block
-
-    def fn(n):
-        t = perf()
-        for _ in range(n):
-            b = alloc()
-            free(b.block_id)
-        return perf() - t
-    return fn
-
-
-def batch_loop(m, free_batch):
-    get = m.get_new_blocks
-
-    def fn(n):
-        t = perf()
-        for _ in range(n):
-            free_batch(get(BATCH))
-        return perf() - t
-    return fn
+from tools.bench.pool_fixtures import (BATCH, Pools, batch_loop, interleaved, load_seed, log,
+                                       pair_loop, perf, seed_batch_free)
+from tools.bench.pool_scale import bench_create, bench_scaling
+from tools.bench.table import row
 
 
 # ------------------------------------------------------------- items 1, 2
@@ -292,8 +165,6 @@ def add_args(ap) -> None:
 
 
 def run(args) -> list:
-    # items 4-5; imported here because tools.bench_pool_scale imports this module
-    from tools.bench_pool_scale import bench_create, bench_scaling
     quick = getattr(args, "quick", False)
     trials = 3 if quick else getattr(args, "pool_trials", 7)
     target_s = 0.05 if quick else 0.15
@@ -303,18 +174,18 @@ def run(args) -> list:
     try:
         t = perf()
         rows += bench_alloc(seed, pools, trials, target_s)
-        _log(f"items 1-2 in {perf() - t:.1f} s")
+        log(f"items 1-2 in {perf() - t:.1f} s")
         t = perf()
         rows += bench_prefix(seed, pools, trials, 10 if quick else 50)
-        _log(f"item 3 in {perf() - t:.1f} s")
+        log(f"item 3 in {perf() - t:.1f} s")
         pools.close()
         t = perf()
         rows += bench_create(seed, 2 if quick else 3)
-        _log(f"item 4 in {perf() - t:.1f} s")
+        log(f"item 4 in {perf() - t:.1f} s")
         t = perf()
         rows += bench_scaling(seed, pools, 3 if quick else 5,
                               0.5 if quick else getattr(args, "scale_seconds", 1.0))
-        _log(f"item 5 in {perf() - t:.1f} s")
+        log(f"item 5 in {perf() - t:.1f} s")
     finally:
         pools.close()
     if seed is None and rows:
@@ -324,17 +195,13 @@ def run(args) -> list:
     return rows
 
 
-def _log(msg: str) -> None:
-    print(f"[bench pool] {msg}", file=sys.stderr, flush=True)
-
-
 if __name__ == "__main__":
     if len(sys.argv) >= 3 and sys.argv[1] == "--worker":
-        from tools.bench_pool_scale import worker_main
+        from tools.bench.pool_scale import worker_main
         sys.exit(worker_main(sys.argv[2]))
     if len(sys.argv) >= 2 and sys.argv[1] == "--profile":
-        from tools.bench_pool_profile import profile
+        from tools.bench.pool_profile import profile
         profile()
         sys.exit(0)
-    from tools.bench import main
+    from tools.bench.__main__ import main
     sys.exit(main(["--only", "pool"] + sys.argv[1:]))

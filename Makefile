@@ -90,22 +90,22 @@ test: setup lint mypy seed-test
 		tests/test_seed_consumer.py tests/test_tables.py
 
 run: setup
-	$(BIN)/python -m workers.supervisor
+	$(BIN)/python -m tools.demo
 
 bench: setup
 	$(BIN)/pip install -q --no-deps vllm-mlx==0.6.0
 	$(BIN)/python -m tools.bench
-	$(BIN)/python -m tools.bench_scale --seconds 3 --repeat 3
+	$(BIN)/python -m tools.bench.scale --seconds 3 --repeat 3
 	@# serving, side by side and interleaved (a: shmcache serve; b: one mlx_lm.server on
 	@# every core; c: 2 mlx_lm.servers round-robin; c-sticky: sessions pinned), 2 rounds,
 	@# 2 cores: the demo model, then Qwen2.5-0.5B's shape cut to 4 layers (random weights)
-	$(BIN)/python -m tools.bench_serve --model demo --workers 2 --rounds 2 --max-tokens 16 \
+	$(BIN)/python -m tools.bench.serve --model demo --workers 2 --rounds 2 --max-tokens 16 \
 		--requests 8 --concurrency 2 --system-chars 400 --sessions 4 --turns 3 \
 		--chat-system-chars 200 --user-chars 40-80 --json bench-serve-demo.json
-	$(BIN)/python -m tools.bench_serve --model realistic:4 --workers 2 --rounds 2 --max-tokens 12 \
+	$(BIN)/python -m tools.bench.serve --model realistic:4 --workers 2 --rounds 2 --max-tokens 12 \
 		--requests 6 --concurrency 2 --system-chars 300 --sessions 4 --turns 2 \
 		--chat-system-chars 200 --user-chars 40-80 --json bench-serve-realistic4.json
-	$(BIN)/python -m tools.bench_l2
+	$(BIN)/python -m tools.bench.l2
 
 clean:
 	rm -rf $(VENV) $(SEED_VENV) build *.egg-info shmcache/*.so

@@ -9,7 +9,7 @@ import numpy as np
 from shmcache import segment
 
 from _proc_client import lock_is_busy, write_positions
-from tools.workload_payload import extra_for
+from tools.stress.workload_payload import extra_for
 
 
 BS = 4

@@ -31,7 +31,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from shmcache.server.app import create_app
-from shmcache.server.protocol import SampleDone, Started, TokenLogprob, Tokens
+from workers.protocol import SampleDone, Started, TokenLogprob, Tokens
 
 
 MODEL = "fake-model"

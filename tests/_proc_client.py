@@ -4,7 +4,7 @@
 a fork of the test) and talks to it line by line, every wait with a
 timeout. The helpers check what workers did: the payload a chain should
 hold (``write_positions``/``verify_blocks``, the pattern of
-``tools.workload_payload``) and the pool lock as the kernel sees it.
+``tools.stress.workload_payload``) and the pool lock as the kernel sees it.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import sys
 import threading
 import time
 
-from tools.lockwatch import lock_waiters  # the kernel's view of who waits
-from tools.workload_payload import chain_mismatch, extra_for, write_chain
+from tools.stress.lockwatch import lock_waiters  # the kernel's view of who waits
+from tools.stress.workload_payload import chain_mismatch, extra_for, write_chain
 
 SERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_proc_server.py")
 

@@ -8,7 +8,7 @@ finds the pool only by its name.
 
 Modes:
   random NAME SEED DURATION [DEMAND]
-      The random workload of ``tools.workload_driver`` (strict: the first
+      The random workload of ``tools.stress.workload_driver`` (strict: the first
       payload mismatch, violated invariant or leak raises) for DURATION
       seconds, or until stdin reaches EOF or reads "stop", holding at most
       DEMAND blocks (default: a fifth of the pool). Prints ``READY <slot>``
@@ -37,8 +37,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import shmcache  # noqa: E402
 from shmcache import layout as L  # noqa: E402
-from tools.workload_driver import Workload  # noqa: E402
-from tools.workload_payload import chain_mismatch, extra_for, write_chain  # noqa: E402
+from tools.stress.workload_driver import Workload  # noqa: E402
+from tools.stress.workload_payload import chain_mismatch, extra_for, write_chain  # noqa: E402
 
 # what cmd_scribble can leave half done under the lock
 SCRIBBLES = ("pop_free", "half_unlink", "ref_chunk", "table_half", "release_half")

@@ -160,7 +160,7 @@ class Server:
                 cmd = p.cmdline()
             except psutil.Error:
                 continue
-            if "shmcache.server.worker" in cmd:
+            if "workers.worker.main" in cmd:
                 found.append(p)
                 if all(p.pid != w.pid for w in self.workers):
                     self.workers.append(p)

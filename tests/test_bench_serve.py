@@ -1,4 +1,4 @@
-"""Smoke tests of ``tools.bench_serve`` (real servers, the demo model, tiny
+"""Smoke tests of ``tools.bench.serve`` (real servers, the demo model, tiny
 settings: they check the tool, not the performance): the chat workload runs
 on shmcache and on N mlx_lm.servers both round-robin and sticky, every figure
 comes out, nothing is left in /dev/shm; and a SIGTERM in the middle of a run
@@ -23,7 +23,7 @@ FIGURES = ("throughput", "ttft_cold_p50", "ttft_cold_p90", "ttft_warm_p50", "ttf
 
 
 def _bench(*args: str) -> list[str]:
-    return [sys.executable, "-m", "tools.bench_serve", "--model", "demo", "--workers", "2",
+    return [sys.executable, "-m", "tools.bench.serve", "--model", "demo", "--workers", "2",
             "--rounds", "1", "--max-tokens", "4", "--chat-system-chars", "60",
             "--user-chars", "10-20", *args]
 

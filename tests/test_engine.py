@@ -1,4 +1,4 @@
-"""The worker's generation engine (``shmcache.server.engine.Engine``) in this
+"""The worker's generation engine (``workers.worker.engine.Engine``) in this
 process, over a real pool and real mlx-lm models (llama, qwen2, qwen3 with
 random weights: the ``lm`` fixture of ``_mlx_lm``).
 
@@ -22,9 +22,9 @@ from _mlx_lm import BS, lm, pools  # noqa: F401  (fixtures)
 import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 
-from shmcache.server.engine import Engine  # noqa: E402
-from shmcache.server.protocol import SamplingParams  # noqa: E402
-from shmcache.server.wire import Gen  # noqa: E402
+from workers.worker.engine import Engine  # noqa: E402
+from workers.protocol import SamplingParams  # noqa: E402
+from workers.wire import Gen  # noqa: E402
 
 __all__ = ["lm", "pools"]
 

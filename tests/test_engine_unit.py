@@ -1,4 +1,4 @@
-"""Unit tests of the worker's generation engine (``shmcache.server.engine.Engine``)
+"""Unit tests of the worker's generation engine (``workers.worker.engine.Engine``)
 over fakes, as vLLM tests its scheduler: what the engine decides, step by step.
 
 The fakes stand in for the pool and the model IN THIS FILE ONLY:
@@ -30,10 +30,10 @@ from types import SimpleNamespace
 import pytest
 
 from shmcache.errors import OutOfBlocksError
-from shmcache.server import engine as engine_mod
-from shmcache.server.engine import Engine
-from shmcache.server.protocol import SamplingParams
-from shmcache.server.wire import Gen
+from workers.worker import engine as engine_mod
+from workers.worker.engine import Engine
+from workers.protocol import SamplingParams
+from workers.wire import Gen
 
 import mlx.core as mx  # noqa: E402  (after shmcache: the fast BLAS)
 import numpy as np  # noqa: E402
@@ -426,7 +426,7 @@ def test_requests_starting_together_share_one_prefill_and_out_of_blocks_wait_in_
 
 @pytest.mark.timeout(60)
 def test_step_timing_log_names_each_part_of_a_step(fakes, tmp_path, monkeypatch):
-    from shmcache.server import step_timing
+    from workers.worker import step_timing
     monkeypatch.setattr(step_timing, "_DIR", str(tmp_path))
     eng, mgr, model, ev = make_engine(100)
     eng.submit(gen(1, 9, max_tokens=2))

@@ -18,7 +18,7 @@ import pytest
 from _mlx_lm import BS, lm, pools  # noqa: F401  (fixtures)
 from test_engine import Events, gen, reference
 
-from shmcache.server.engine import Engine
+from workers.worker.engine import Engine
 
 __all__ = ["lm", "pools"]
 
@@ -70,5 +70,5 @@ def test_admission_respects_the_working_bytes_limit(lm, pools):  # noqa: F811
 
 
 def probe_req(engine, prompt, max_tokens):
-    from shmcache.server.engine import _Req
+    from workers.worker.engine import _Req
     return _Req(gen(0, prompt, max_tokens), 0)

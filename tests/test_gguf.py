@@ -120,9 +120,9 @@ def test_smollm2_engine_admits_warm_requests_together_with_mlx_lm_tokens(smollm,
     from mlx_lm.generate import generate_step
 
     from shmcache import mlx_lm as P
-    from shmcache.server.engine import Engine
-    from shmcache.server.protocol import SamplingParams
-    from shmcache.server.wire import Gen
+    from workers.worker.engine import Engine
+    from workers.protocol import SamplingParams
+    from workers.wire import Gen
     _, model, tok = smollm
     system = [{"role": "system", "content": "You answer briefly and precisely."}]
     questions = ["What is the capital of France?", "Name three primary colours.",
@@ -175,9 +175,9 @@ def test_smollm2_batched_through_the_engine_equals_mlx_lm(smollm, pools):
     from mlx_lm.generate import generate_step
 
     from shmcache import mlx_lm as P
-    from shmcache.server.engine import Engine
-    from shmcache.server.protocol import SamplingParams
-    from shmcache.server.wire import Gen
+    from workers.worker.engine import Engine
+    from workers.protocol import SamplingParams
+    from workers.wire import Gen
     _, model, tok = smollm
     system = {"role": "system", "content": "You are a concise assistant. Answer in one "
                                            "short sentence, and never add anything else."}

@@ -1,9 +1,11 @@
-"""The import graph of shmcache/ points only down: every module has a layer
-(``LAYERS``, bottom-up), imports only from its own layer or below, and no
-imports form a cycle.
+"""The import graph of shmcache/ and workers/ points only down: every module
+has a layer (``LAYERS``, bottom-up), imports only from its own layer or below,
+and no imports form a cycle. The two processes of ``shmcache serve`` stay
+apart: its HTTP front and supervisor never import a worker process's modules
+(``SEPARATE``).
 
 What counts as an import: every ``import``/``from ... import`` of a shmcache
-module, relative or absolute, wherever it is, a function body included: a
+or workers module, relative or absolute, wherever it is, a function body included: a
 lazy upward import is still an upward dependency (it only runs later). The
 one kind left out is an import under ``if TYPE_CHECKING:``, which never runs.
 Importing a module also runs its package's ``__init__``; that implicit edge
@@ -19,11 +21,15 @@ import ast
 from pathlib import Path
 
 import shmcache
+import workers
 
 ROOT = Path(shmcache.__file__).parent
+WORKERS = Path(workers.__file__).parent
+PACKAGES = ("shmcache", "workers")
 
 # Bottom-up. "." is the package itself (shmcache/__init__.py); names are
-# relative to it, "l2" being shmcache/l2/__init__.py.
+# relative to it, "l2" being shmcache/l2/__init__.py, except those of the
+# workers package, which are written whole.
 LAYERS = [
     ("leaves", "errors platform_linux loosemap table_chains _hot _mlxbuf"),
     ("platform seam, byte map, BLAS binding",
@@ -35,14 +41,21 @@ LAYERS = [
     ("manager primitives, K/V arena, live views", "core fastpath kv views"),
     ("manager mixins, seed containers", "tables prefix kv_ops admin seed_views"),
     ("the manager", "paged_cache"),
-    ("the package, mlx-lm caches, L2 tier",
-     ". mlx_lm weights l2 l2.client l2.codec l2.identity l2.store l2.tier"),
-    ("the server", "server server.api server.app server.backend server.engine "
-     "server.generation server.http_errors server.main server.metrics "
-     "server.openai_types server.protocol server.responses server.sample_text "
-     "server.sampling server.step_timing server.tool_calls "
-     "server.validation server.wire server.worker server.worker_procs demo_model gguf "
-     "model_source"),
+    ("the package, mlx-lm caches, L2 tier, model sources",
+     ". mlx_lm weights l2 l2.client l2.codec l2.identity l2.store l2.tier "
+     "demo_model gguf model_source"),
+    ("messages: HTTP front <-> supervisor, supervisor <-> worker processes",
+     "workers workers.protocol workers.wire"),
+    ("a worker process (python -m workers.worker.main): its engine",
+     "workers.worker workers.worker.engine workers.worker.sampling workers.worker.step_timing "
+     "workers.worker.main"),
+    ("the supervisor (in the shmcache serve process): the pool, the worker processes, routing",
+     "workers.supervisor workers.supervisor.backend workers.supervisor.worker_procs"),
+    ("the HTTP front of shmcache serve",
+     "server server.api server.app server.generation server.http_errors server.metrics "
+     "server.openai_types server.responses server.sample_text server.tool_calls "
+     "server.validation"),
+    ("shmcache serve: the front over the supervisor", "server.main"),
     ("the command", "cli doctor"),
 ]
 
@@ -52,8 +65,16 @@ NATIVE = {"shmcache._hot", "shmcache._mlxbuf"}
 # (importer, imported) -> why an upward import is unavoidable. None today.
 ALLOWED: dict = {}
 
+# (importers, imported): modules under the first prefix never import one under
+# the second, whatever their layers. The front and the supervisor run in the
+# shmcache serve process, the engine in each worker process: they share only
+# the messages of workers.protocol and workers.wire.
+SEPARATE = [("shmcache.server", "workers.worker"), ("workers.supervisor", "workers.worker")]
+
 
 def _full(short: str) -> str:
+    if short == "workers" or short.startswith("workers."):
+        return short
     return "shmcache" if short == "." else f"shmcache.{short}"
 
 
@@ -62,13 +83,14 @@ LAYER = {_full(s): (i, label) for i, (label, names) in enumerate(LAYERS)
 
 
 def python_modules() -> dict:
-    """Dotted name -> path of every .py module under shmcache/."""
+    """Dotted name -> path of every .py module under shmcache/ and workers/."""
     out = {}
-    for f in sorted(ROOT.rglob("*.py")):
-        parts = ("shmcache",) + f.relative_to(ROOT).with_suffix("").parts
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        out[".".join(parts)] = f
+    for root in (ROOT, WORKERS):
+        for f in sorted(root.rglob("*.py")):
+            parts = (root.name,) + f.relative_to(root).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = f
     return out
 
 
@@ -78,7 +100,7 @@ def _is_type_checking(test: ast.expr) -> bool:
 
 
 def imports_of(source: str, name: str, is_package: bool, known) -> list:
-    """``[(imported module, line)]`` of the shmcache modules that module
+    """``[(imported module, line)]`` of the shmcache and workers modules that module
     ``name`` imports, at any depth but under ``if TYPE_CHECKING:``.
     A name imported from a module (not a submodule) counts as that module."""
     pkg = name.split(".") if is_package else name.split(".")[:-1]
@@ -104,7 +126,7 @@ def imports_of(source: str, name: str, is_package: bool, known) -> list:
 
         def visit_Import(self, node) -> None:
             for t in targets(node):
-                if t == "shmcache" or t.startswith("shmcache."):
+                if t in PACKAGES or t.startswith(tuple(p + "." for p in PACKAGES)):
                     while t not in known and "." in t:
                         t = t.rsplit(".", 1)[0]    # a name of a module: that module
                     if t != name:
@@ -117,7 +139,7 @@ def imports_of(source: str, name: str, is_package: bool, known) -> list:
 
 
 def import_graph() -> dict:
-    """Module -> [(imported module, line)] for every module under shmcache/."""
+    """Module -> [(imported module, line)] for every module under shmcache/ and workers/."""
     mods = python_modules()
     known = set(mods) | NATIVE
     return {m: imports_of(f.read_text(), m, f.name == "__init__.py", known)
@@ -145,6 +167,14 @@ def test_imports_point_down():
             if lt > lm and (m, t) not in ALLOWED:
                 bad.append(f"{_where(m, line)}: {m} (layer {lm}, {name_m}) imports {t} "
                            f"(layer {lt}, {name_t}), an upward import")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_serve_process_never_imports_a_worker_process_module():
+    bad = [f"{_where(m, line)}: {m} imports {t}"
+           for m, edges in import_graph().items() for t, line in edges
+           for src, dst in SEPARATE
+           if (m == src or m.startswith(src + ".")) and (t == dst or t.startswith(dst + "."))]
     assert not bad, "\n".join(bad)
 
 

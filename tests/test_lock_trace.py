@@ -1,13 +1,13 @@
-"""tools.lock_trace: the split of the lock's time into held, hand-over and
+"""tools.bench.lock_trace: the split of the lock's time into held, hand-over and
 idle, on traces whose answer is known (pure arithmetic, no processes: the
-real traces are tools.bench_scale --trace's, run in test_bench_scale)."""
+real traces are tools.bench.scale --trace's, run in test_bench_scale)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from tools import lock_trace
+from tools.bench import lock_trace
 
 
 def _traces(k: int):

@@ -1,4 +1,4 @@
-"""tools/profile_read_kv: the read_kv profile runs on a real pool and cleans up."""
+"""tools/bench/profile_read_kv: the read_kv profile runs on a real pool and cleans up."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import pytest
 
 from shmcache import kv as kvmod
-from tools import profile_read_kv
+from tools.bench import profile_read_kv
 
 
 @pytest.mark.parametrize("cold", [False, True])

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from shmcache.server.app import create_app
-from shmcache.server.protocol import Error
+from workers.protocol import Error
 
 from _fake_backend import (BLOCK, C, CH, MODEL, USER, FakeBackend, ServerThread, default_reply,
                            m, metrics, wait_for)

@@ -1,5 +1,5 @@
 """End-to-end tests of ``shmcache serve``'s supervisor
-(``shmcache.server.backend`` and ``worker_procs``): the least-loaded routing
+(``workers.supervisor.backend`` and ``worker_procs``): the least-loaded routing
 sends a request to another worker, which finds the prefix in the shared pool;
 a worker killed mid-request is restarted and its request re-run.
 

@@ -1,5 +1,5 @@
 """End-to-end tests of ``shmcache serve``'s generation (the workers'
-``shmcache.server.engine``): greedy tokens equal mlx-lm's, cold and warm;
+``workers.worker.engine``): greedy tokens equal mlx-lm's, cold and warm;
 requests decoded together in one batch; seeded sampling; a prompt the pool
 can never hold; preemption when the pool runs short.
 

@@ -1,5 +1,5 @@
 """The request fields through a real ``shmcache serve`` (worker processes, the
-pool, the engine's :class:`~shmcache.server.sampling.RowSampler`), checked
+pool, the engine's :class:`~workers.worker.sampling.RowSampler`), checked
 against mlx-lm itself in this process: logprobs equal the log-softmax of
 mlx-lm's logits (greedy; streamed too), ``repetition_penalty`` gives mlx-lm's
 tokens with the same logits processor (and not the tokens without it),

@@ -371,7 +371,7 @@ def test_a_small_dev_shm_sizes_the_default_pool_and_doctor_warns(model_dir):
 def test_choose_pool_blocks():
     """The default pool: 1 GiB of K/V when /dev/shm has room, else half its
     free space, metadata included; too little for 64 blocks: a how-to-fix."""
-    from shmcache.server.worker_procs import MIN_POOL_BLOCKS, PoolDoesNotFit, choose_pool_blocks
+    from workers.supervisor.worker_procs import MIN_POOL_BLOCKS, PoolDoesNotFit, choose_pool_blocks
     per = 64 << 10
     n, why = choose_pool_blocks(per, 100 << 30)
     assert n == (1 << 30) // per and "default" in why

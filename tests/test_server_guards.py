@@ -167,7 +167,7 @@ def test_a_stream_waiting_for_its_first_token_gets_keepalive_comments(tokenizer,
         assert first_data >= 2 and all(ln == ": keep-alive" for ln in lines[:first_data])
         assert lines[-1] == "data: [DONE]"
         # an error once admission fails: an error event, after the comments
-        from shmcache.server.protocol import Error
+        from workers.protocol import Error
         s.backend.error_first = Error("no worker can take it", 503)
         lines = _sse_lines(s.url, {"prompt": "hi", "max_tokens": 5, "stream": True})
         assert lines[0] == ": keep-alive" and "no worker can take it" in lines[-2]

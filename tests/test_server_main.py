@@ -56,9 +56,9 @@ class WorkerBackend(FakeBackend):          # stands in for the real one: same co
     async def close(self):
         self.log("closed")
 
-mod = types.ModuleType("shmcache.server.backend")
+mod = types.ModuleType("workers.supervisor.backend")
 mod.WorkerBackend = WorkerBackend
-sys.modules["shmcache.server.backend"] = mod
+sys.modules["workers.supervisor.backend"] = mod
 from shmcache.cli import main
 sys.exit(main(sys.argv[1:]))
 """

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from shmcache import segment
-from tools import stress
+from tools.stress import worker as stress_worker
 
 from conftest import new_name
 
@@ -79,11 +79,12 @@ def test_bad_flags():
 @pytest.fixture
 def worker(make_pool, tmp_path):
     """An in-process stress worker on a fresh pool."""
-    m = make_pool(block_size=16, max_blocks=64, num_layers=stress.NUM_LAYERS,
-                  num_kv_heads=stress.NUM_KV_HEADS, head_dim=stress.HEAD_DIM, dtype="float32")
+    m = make_pool(block_size=16, max_blocks=64, num_layers=stress_worker.NUM_LAYERS,
+                  num_kv_heads=stress_worker.NUM_KV_HEADS, head_dim=stress_worker.HEAD_DIM,
+                  dtype="float32")
     args = argparse.Namespace(worker=m.name, seed=1, result=str(tmp_path / "w.json"),
                               parent=os.getppid(), demand=40, prompt_seed=5)
-    w = stress.Worker(args)
+    w = stress_worker.Worker(args)
     yield m, w
     if not w.m._p.closed:
         w.m.close()

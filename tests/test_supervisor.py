@@ -1,4 +1,4 @@
-"""End-to-end runs of ``python -m workers.supervisor``: it starts ``shmcache
+"""End-to-end runs of ``python -m tools.demo``: it starts ``shmcache
 serve`` with the demo model (named with --model), drives it with the openai client and reports.
 
 Each run is a subprocess under a hard timeout; afterwards no server, worker
@@ -19,7 +19,7 @@ import pytest
 
 from shmcache import segment
 from shmcache.demo_model import ensure_demo_model
-from workers.run import QUESTIONS
+from tools.demo.run import QUESTIONS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Short prompts and answers keep a run to seconds on a shared 2-core machine; so does
@@ -39,7 +39,7 @@ def run_supervisor(tmp_path, *extra, timeout=240, seen_out=None):
     """Runs the supervisor; ``seen_out`` (a dict), if given, gets every
     descendant process seen while it ran (pid -> psutil.Process)."""
     out = tmp_path / f"report-{len(list(tmp_path.iterdir()))}.json"
-    proc = subprocess.Popen([sys.executable, "-m", "workers.supervisor", *SMALL, *extra,
+    proc = subprocess.Popen([sys.executable, "-m", "tools.demo", *SMALL, *extra,
                              "--json", str(out)], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     seen = {}
@@ -173,7 +173,7 @@ def test_with_l2_the_report_has_the_pools_l2_counters(baseline, tmp_path):
 @pytest.mark.timeout(120)
 def test_ctrl_c_stops_the_server_and_leaves_nothing():
     # Its own process group, as a terminal's foreground job.
-    proc = subprocess.Popen([sys.executable, "-m", "workers.supervisor", *SMALL,
+    proc = subprocess.Popen([sys.executable, "-m", "tools.demo", *SMALL,
                              "--requests", "400"], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     seen, pool = {}, None
@@ -205,9 +205,9 @@ def test_ctrl_c_stops_the_server_and_leaves_nothing():
 
 
 def test_bad_flags_are_rejected():
-    proc = subprocess.run([sys.executable, "-m", "workers.supervisor", "--workers", "0"],
+    proc = subprocess.run([sys.executable, "-m", "tools.demo", "--workers", "0"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--workers" in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "workers.supervisor", "--l2", "http://h:1"],
+    proc = subprocess.run([sys.executable, "-m", "tools.demo", "--l2", "http://h:1"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--l2" in proc.stderr and "redis://" in proc.stderr

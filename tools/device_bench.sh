@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The 16-core benchmark of issue 26 on the device machine (Python 3.12 with
 # numpy, no network): installs what .whl/ carries (tools/fetch_device_wheels.sh
-# fills it here), builds shmcache there, and runs tools.bench_serve on the
+# fills it here), builds shmcache there, and runs tools.bench.serve on the
 # realistic model (Qwen2.5-0.5B's shape, 24 layers) with 8 workers / servers.
 #
 #   bash tools/device_bench.sh setup               # install + build (idempotent)
@@ -10,7 +10,7 @@
 #   bash tools/device_bench.sh all [ARGS...]       # the three in one command
 #
 # Every command runs setup first when it has not run on this machine. ARGS go
-# to tools.bench_serve (e.g. --rounds 3, --model realistic:12). The JSON goes
+# to tools.bench.serve (e.g. --rounds 3, --model realistic:12). The JSON goes
 # to $OUT (the device's return folder) when set, else to the current folder.
 # One workload of 2 rounds over a, b, c (and c-sticky for chat) is sized to
 # stay within a 10-minute command; "all" may not.
@@ -100,7 +100,7 @@ PY
   # the realistic model (1.4 GB of float32), built once here, not inside a timed command
   # (BUILD_MODEL=0: not now)
   [ "${BUILD_MODEL:-1}" = 0 ] || \
-  (cd "$ROOT" && "$VENV/bin/python" -c "from tools.bench_serve_models import resolve; print('[device_bench] model', resolve('realistic')[0])")
+  (cd "$ROOT" && "$VENV/bin/python" -c "from tools.bench.serve_models import resolve; print('[device_bench] model', resolve('realistic')[0])")
   touch "$VENV/.setup-done"
   say "setup done in $((SECONDS - t0)) s"
 }
@@ -118,7 +118,7 @@ bench() {
   esac
   local out="${OUT:-.}/bench-${workload//,/-}.json"
   say "cores $(nproc); load $(cut -d' ' -f1-3 /proc/loadavg); workload $workload"
-  "$VENV/bin/python" -m tools.bench_serve --model realistic --workers "$WORKERS" \
+  "$VENV/bin/python" -m tools.bench.serve --model realistic --workers "$WORKERS" \
     --rounds "$ROUNDS" --workloads "$workload" --max-tokens 16 --startup-timeout 600 \
     "${extra[@]}" --json "$out" "$@"
   say "figures in $out"

@@ -1,6 +1,6 @@
 """What the HTTP layer (``shmcache.server.app``) needs from a generation backend.
 
-The real backend is ``shmcache.server.backend.WorkerBackend`` (worker
+The real backend is ``workers.supervisor.backend.WorkerBackend`` (worker
 processes over the shared pool); the HTTP tests use a fake. Both are
 duck-typed against :class:`Backend`; nothing has to inherit from it.
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, AsyncIterator, Optional, Protocol, runtime_checkable
 
-from .protocol import Event, SamplingParams
+from workers.protocol import Event, SamplingParams
 
 if TYPE_CHECKING:                                    # mlx_lm is heavy: types only
     from mlx_lm.tokenizer_utils import TokenizerWrapper

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Optional
 
 import anyio
 
-from .protocol import Error, SampleDone, SamplingParams, Started, Tokens
+from workers.protocol import Error, SampleDone, SamplingParams, Started, Tokens
 from .sample_text import SampleText
 
 if TYPE_CHECKING:

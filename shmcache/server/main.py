@@ -278,7 +278,7 @@ def _run(args, sock) -> int:
         import uvicorn
 
         from .app import create_app
-        from .backend import WorkerBackend
+        from workers.supervisor.backend import WorkerBackend
 
         from ..model_source import resolve_model
         model = resolve_model(args.model, log=log.info)
@@ -290,7 +290,7 @@ def _run(args, sock) -> int:
             log.warning("--cluster-secret without --l2 does nothing")
         from ..errors import InsufficientSharedMemoryError, ShmCacheError
         from ..mlx_lm import NotPoolableError
-        from .worker_procs import PoolDoesNotFit, reclaim_dead_pools
+        from workers.supervisor.worker_procs import PoolDoesNotFit, reclaim_dead_pools
         template = None
         if getattr(args, "chat_template", None):
             import jinja2

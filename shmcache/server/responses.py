@@ -25,7 +25,7 @@ from starlette.responses import Response, StreamingResponse
 
 from .generation import CLIENT_CLOSED, Generation
 from .http_errors import error_body, error_response, json_response
-from .protocol import Error, SamplingParams
+from workers.protocol import Error, SamplingParams
 from .tool_calls import ToolCallSplitter
 
 if TYPE_CHECKING:

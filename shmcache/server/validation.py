@@ -20,7 +20,7 @@ from typing import Optional
 from .api import Backend
 from .http_errors import APIError
 from .openai_types import ChatCompletionRequest, CompletionRequest
-from .protocol import SamplingParams
+from workers.protocol import SamplingParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 DEFAULT_CHAT_MAX_TOKENS = 512

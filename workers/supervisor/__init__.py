@@ -1,0 +1,1 @@
+"""The supervisor of ``shmcache serve`` (in its process): a pool, worker processes, routing."""

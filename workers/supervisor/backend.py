@@ -1,0 +1,310 @@
+"""The supervisor of ``shmcache serve``: a pool, worker processes, routing.
+
+:class:`WorkerBackend` creates the pool (its layout and dtype read from the
+model), starts ``--workers`` worker processes (``workers.worker.main``)
+that attach to it by name, and sends each request to the least-loaded live
+worker. The cache is shared, so any worker finds any other's prefixes: no
+cache-aware routing is needed. One rule keeps a prefix from being computed
+twice at once: a request whose prompt shares whole blocks with a prompt
+that some worker is prefilling right now waits, here, until those blocks
+are published (the worker's ``Progress``), and then goes to the
+least-loaded worker like any other; with one system prompt under load,
+every worker is busy, and the prompt is computed once. A worker's load
+counts the samples it runs or will run plus its prefill work still to do,
+in steps of ``prefill_step`` tokens.
+
+When a worker dies, the pool releases what it held (``reclaim_dead``), a
+new worker is started in its place, and its requests are re-run on the
+others from their prompts. Sampling is seeded per request and sample, so
+the re-run produces the same tokens; the supervisor drops the ones it
+already delivered, and the client sees one complete answer.
+
+With ``l2`` (a Redis URL), the workers use Redis as a second tier (see
+``shmcache.l2``): the supervisor computes the model's identity once and
+passes it, with the cluster secret if there is one (without, each worker
+uses the pool's own secret: nothing is shared with other pools), to every
+worker, which attaches to the pool with ``l2=``. ``stats()`` reads the L2
+counters from the pool (every worker adds to them, a dead one's stay) and
+``l2_up`` from the workers' reports.
+
+Creating the pool and starting, restarting and stopping the worker
+processes is :class:`~workers.supervisor.worker_procs.WorkerLifecycle`'s, a
+mixin of :class:`WorkerBackend`; this module routes the requests and turns
+the workers' messages into each request's events.
+
+NOTE: everything here runs on the server's event loop; the only blocking
+calls are the pool's (microseconds) and the workers' pipe writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import random
+from pathlib import Path
+from typing import AsyncIterator, Optional
+
+from .. import wire
+from ..protocol import Error, SampleDone, SamplingParams, Started, Tokens
+from .worker_procs import WorkerLifecycle, WorkerProc
+
+
+class _Flight:
+    """One request in flight: where it runs, what was delivered."""
+
+    def __init__(self, rid: int, prompt: list, params: SamplingParams, seed: int) -> None:
+        self.gen = wire.Gen(rid, prompt, params, seed)
+        self.q: asyncio.Queue = asyncio.Queue()
+        self.worker: Optional[WorkerProc] = None
+        self.started = False
+        self.delivered = [0] * params.n        # tokens delivered per sample
+        self.seen = [0] * params.n             # tokens seen in the current run
+        self.progress = 0                      # prompt tokens in the pool (this run's prefill)
+        self.done = [False] * params.n
+
+
+class WorkerBackend(WorkerLifecycle):
+    """Worker processes over one shared pool (see the module docstring).
+
+    Args:
+        model: an mlx-lm model directory.
+        workers: worker processes.
+        max_blocks: pool blocks (default: what fits in 1 GiB of K/V).
+        block_size: tokens per block.
+        max_n: the largest ``n`` a request may ask for.
+        pool_name: the pool's name (default ``serve-<pid>``).
+        l2: a Redis URL: the L2 tier (None: L1 only).
+        cluster_secret: the secret shared by the pools that share L2 entries
+            (None: the pool's own, shared with no other pool).
+        l2_timeout, l2_retry, l2_ttl: seconds: each L2 socket operation of
+            a lookup, between attempts during an outage, a value's life
+            (None: until Redis evicts it).
+    """
+
+    def __init__(self, model, workers: int = 2, max_blocks: Optional[int] = None,
+                 block_size: int = 16, max_n: int = 16, pool_name: Optional[str] = None,
+                 max_batch: int = 32, l2: Optional[str] = None,
+                 cluster_secret: Optional[str] = None, l2_timeout: Optional[float] = None,
+                 l2_retry: Optional[float] = None, l2_ttl: Optional[int] = None,
+                 prefill_step: int = 512) -> None:
+        from mlx_lm.utils import load_tokenizer
+        self.path = Path(model)
+        if not (self.path / "config.json").is_file():
+            raise ValueError(f"--model {model}: not an mlx-lm model directory (no config.json)")
+        self.model_id = self.path.name
+        self.tokenizer = load_tokenizer(self.path)
+        self.n_workers = workers
+        self.max_n = max_n
+        self.block_size = block_size
+        self.max_blocks = max_blocks
+        self.max_batch = max_batch
+        self.prefill_step = max(block_size, prefill_step // block_size * block_size)
+        self._changed = asyncio.Event()    # set (and replaced) when a flight moves on
+        self.pool_name = pool_name or f"serve-{os.getpid()}"
+        self.mgr = None
+        self.workers: list = []
+        self.restarts = 0
+        self._ids = itertools.count(1)
+        self._closing = False
+        self._started = False           # every worker was ready once: restart the dead ones
+        self.l2_url = l2
+        self.l2_timeout, self.l2_retry, self.l2_ttl = l2_timeout, l2_retry, l2_ttl
+        self._l2_secret = cluster_secret.encode() if cluster_secret else None
+        self.l2_shared = bool(cluster_secret)
+        self.l2_model_id: Optional[str] = None
+        if l2:
+            from shmcache.l2 import check_url
+            check_url(l2)
+
+    # -------------------------------------------------------------- routing
+    def _live(self) -> list:
+        return [w for w in self.workers if w.ready.is_set() and w.proc.returncode is None]
+
+    def _load(self, w: WorkerProc) -> float:
+        """Samples ``w`` runs or will run, plus its prefill still to do (in steps)."""
+        load = 0.0
+        for f in w.flights.values():
+            load += f.gen.params.n
+            if not f.started:
+                load += max(0, len(f.gen.prompt) - f.progress) / self.prefill_step
+        return load
+
+    def _pick(self) -> Optional[WorkerProc]:
+        live = self._live()
+        if not live:
+            return None
+        return min(live, key=lambda w: (self._load(w), w.idx))
+
+    def _shared_blocks_pending(self, f: _Flight) -> bool:
+        """Whether a request being prefilled on a live worker will publish
+        blocks of ``f``'s prompt that are not published yet (same salt,
+        same tokens from position 0, whole blocks of ``prompt[:-1]``)."""
+        bs = self.block_size
+        mine = f.gen.prompt
+        for w in self._live():
+            # a worker prefills its requests one at a time, in the order
+            # they came: only its first one not started is computing (or
+            # about to); one queued behind it computes nothing yet, and
+            # waiting for it would hold ``f`` back for nothing
+            g = next((g for g in w.flights.values() if not g.started), None)
+            if g is None or g.gen.params.salt != f.gen.params.salt:
+                continue
+            theirs = g.gen.prompt
+            limit = min(len(mine), len(theirs)) - 1
+            done = g.progress // bs * bs
+            if done + bs > limit or mine[:bs] != theirs[:bs] \
+                    or mine[done:done + bs] != theirs[done:done + bs]:
+                continue
+            if mine[:done] == theirs[:done]:
+                return True
+        return False
+
+    def _moved(self) -> None:
+        """Wake the requests waiting in ``_dispatch``."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _dispatch(self, f: _Flight) -> None:
+        while True:
+            if self._closing:
+                f.q.put_nowait(Error("the server is shutting down", 503))
+                return
+            w = None if self._shared_blocks_pending(f) else self._pick()
+            if w is not None:
+                break
+            changed = self._changed
+            try:
+                await asyncio.wait_for(changed.wait(), 0.25)
+            except asyncio.TimeoutError:
+                pass
+        f.worker = w
+        f.seen = [0] * len(f.seen)
+        f.progress = 0
+        w.flights[f.gen.id] = f
+        w.send(f.gen)
+
+    # ---------------------------------------------------------- interface
+    def admission_error(self, prompt_tokens: int, max_tokens: int, n: int) -> Optional[str]:
+        bs = self.block_size
+        total = (self.max_blocks or 0) - 1
+        need = -(-(prompt_tokens + max_tokens) // bs) * n
+        if need > total:
+            return (f"the prompt ({prompt_tokens} tokens) with max_tokens={max_tokens} and n={n} "
+                    f"needs {need} blocks of {bs} tokens; the pool has {total}")
+        return None
+
+    async def generate(self, prompt: list, params: SamplingParams) -> AsyncIterator:
+        seed = params.seed if params.seed is not None else random.randrange(2**31)
+        f = _Flight(next(self._ids), list(prompt), params, seed)
+        await self._dispatch(f)
+        finished = 0
+        try:
+            while finished < params.n:
+                ev = await f.q.get()
+                yield ev
+                if isinstance(ev, Error):
+                    return
+                finished += isinstance(ev, SampleDone)
+        finally:
+            if not all(f.done) and f.worker is not None:
+                f.worker.flights.pop(f.gen.id, None)
+                self._moved()
+                try:
+                    f.worker.send(wire.Cancel(f.gen.id))
+                except Exception:        # the worker is gone; nothing to cancel
+                    pass
+
+    def stats(self) -> dict:
+        m = self.mgr
+        if m is None:
+            return {}
+        # Block 0 (the null block) is always referenced and never cached:
+        # leave it out. A cached block with no references sits on the free
+        # list (evicted when taken), so get_stats()'s free_blocks counts it,
+        # and its total_tokens_cached is the tokens of *referenced* blocks:
+        # neither says what the prefix cache holds. Count the flags instead.
+        # NOTE: read without the pool lock: a scrape must not hold up the
+        # workers for a scan of every block, and a gauge may be a moment stale.
+        # (Pool.gauges: the definitions `shmcache inspect` uses too)
+        n = m.max_blocks
+        g = m.pool.gauges()
+        used, n_cached, free = g["blocks_used"], g["blocks_cached"], g["blocks_free"]
+        held = n - 1 - free
+        per_block = m.layout.block_bytes
+        out = dict(blocks_total=n - 1, blocks_used=used, blocks_free=free, blocks_cached=n_cached,
+                   pool_kv_bytes=held * per_block, lock_holds=g["ops"],
+                   pool_prefix_hit_rate=g["prefix_hit_rate"],
+                   lock_wait_max=g["lock_wait_max_s"], lock_queue=g["lock_queue"],
+                   preemptions=sum(w.preemptions for w in self.workers),
+                   worker_restarts=self.restarts,
+                   workers_alive=sum(1 for w in self.workers if w.ready.is_set()
+                                     and w.proc.returncode is None),
+                   working_bytes=sum(w.working_bytes for w in self.workers),
+                   worker_running={w.idx: sum(f.gen.params.n for f in w.flights.values()
+                                              if f.started) for w in self.workers})
+        if self.l2_url:
+            out.update(self.l2_stats())
+        return out
+
+    def l2_stats(self) -> dict:
+        """The pool's L2 counters (``l2_<name>``: every worker's, summed by
+        the pool, a dead worker's included), and ``l2_up``: 1 when every
+        live worker that reported finds L2 answering."""
+        # NOTE: read without the pool lock, as the gauges above: each worker
+        # adds its deltas under the lock every 0.5 s; a scrape may be a
+        # moment behind, never torn (one aligned int64 each).
+        out = {f"l2_{k}": v for k, v in self.mgr.l2_counters().items()}
+        up = 1
+        for w in self.workers:
+            if w.l2 and w.proc is not None and w.proc.returncode is None:
+                up = min(up, w.l2.get("up", 1))
+        out["l2_up"] = up
+        return out
+
+    # ---------------------------------------------------------- a worker's events
+    def _on(self, w: WorkerProc, msg) -> None:
+        if isinstance(msg, wire.Step):
+            for rid, sample, tok, reason, lp in msg.items:
+                f = w.flights.get(rid)
+                if f is None or f.done[sample]:
+                    continue
+                f.seen[sample] += 1
+                if f.seen[sample] > f.delivered[sample]:      # not delivered before a re-run
+                    f.delivered[sample] += 1
+                    f.q.put_nowait(Tokens(sample, [tok], [lp] if lp is not None else []))
+                    if reason:
+                        f.done[sample] = True
+                        f.q.put_nowait(SampleDone(sample, reason))
+                if all(f.done):
+                    w.flights.pop(rid, None)
+                    self._moved()
+        elif isinstance(msg, wire.Progress):
+            f = w.flights.get(msg.id)
+            if f is not None:
+                f.progress = msg.stored
+                self._moved()
+        elif isinstance(msg, wire.Admitted):
+            f = w.flights.get(msg.id)
+            if f is None:
+                return
+            self._moved()
+            # every admission (the first, a re-run after a preemption, or on
+            # another worker after a death) generates from the first token
+            # again: count anew, and pass on only what was not delivered
+            f.seen = [0] * len(f.seen)
+            if not f.started:
+                f.started = True
+                f.q.put_nowait(Started(msg.prompt_tokens, msg.cached_tokens, w.idx))
+        elif isinstance(msg, wire.Failed):
+            f = w.flights.pop(msg.id, None)
+            self._moved()
+            if f is not None:
+                f.q.put_nowait(Error(msg.message, msg.status))
+        elif isinstance(msg, wire.Load):
+            w.preemptions, w.working_bytes = msg.preemptions, msg.working_bytes
+            if msg.l2:
+                w.l2 = msg.l2
+        elif isinstance(msg, wire.Ready):
+            w.ready.set()
+            self._moved()

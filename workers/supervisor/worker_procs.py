@@ -1,0 +1,455 @@
+"""The supervisor's worker processes: the pool they share, their lives.
+
+:class:`WorkerProc` is one worker process as the supervisor sees it (its
+pipes, its requests in flight, what it last reported). :class:`WorkerLifecycle`
+is the part of :class:`~workers.supervisor.backend.WorkerBackend` that creates
+the pool (its layout and dtype read from the model), starts the workers
+(``python -m workers.worker.main``, attached to the pool by name, with
+the L2 flags when there is an L2 tier), reads what they send, restarts one
+that dies (after the pool released what it held) and stops them all.
+
+Which worker a request goes to, and what a worker's messages mean for the
+requests, is the routing's, in ``backend.py``: this mixin calls its
+``_on`` (one message) and ``_dispatch`` (send a request to a worker).
+
+Liveness beyond the exit code (a heartbeat): a worker reports its load every
+0.5 s from a thread of its own, even during a long prefill. A worker that
+says nothing for ``stall_s`` seconds (SIGSTOPped, or hung) is taken out of
+routing (its ``ready`` cleared, so ``/health`` counts it out too); silent for
+``2 * stall_s`` it is killed, and then restarted as a dead worker is. If it
+speaks again before that, it is routed to again.
+
+Poison requests: a dead worker's requests are re-run on the others, each at
+most ``max_reruns`` times; a request on a worker that dies once more fails
+with a clear error instead of taking down worker after worker.
+
+The pool's name (``serve-<pid>`` unless given) and its size: see
+:func:`default_pool_name`, :func:`reclaim_dead_pools` and
+:func:`choose_pool_blocks`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fnmatch
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import msgspec
+
+import shmcache
+
+from .. import wire
+from ..protocol import Error
+
+log = logging.getLogger("shmcache.server")
+
+DEFAULT_POOL_BYTES = 1 << 30          # the pool's K/V when --max-blocks is not given
+SHM_SHARE = 0.5                       # ... and at most this share of /dev/shm's free space
+MIN_POOL_BLOCKS = 64                  # the smallest pool a default size may choose
+DEFAULT_STALL_S = 10.0                # a worker silent this long is out of routing (2x: killed)
+DEFAULT_MAX_RERUNS = 2                # re-runs of one request after worker deaths
+POOL_PREFIX = "serve-"                # the default pool names: serve-<pid>
+
+
+class StartupCancelled(Exception):
+    """SIGINT/SIGTERM arrived while the workers were loading the model (the
+    app's lifespan then lets the server stop quietly: ``startup_cancelled``)."""
+
+    startup_cancelled = True
+
+
+class PoolDoesNotFit(Exception):
+    """Even the smallest pool does not fit in /dev/shm's free space (the
+    message says how to fix it)."""
+
+
+def default_pool_name() -> str:
+    """``serve-<pid>``: unique among the live servers of one PID namespace.
+    Two containers with their own PID namespaces that share /dev/shm
+    (``--ipc=host``) can both be pid 1: give each its own ``--pool-name``."""
+    return f"{POOL_PREFIX}{os.getpid()}"
+
+
+def reclaim_dead_pools(pattern: str = POOL_PREFIX + "*") -> list:
+    """Removes the pools named like ours (``pattern``) whose owner is dead
+    (a server killed with SIGKILL, or a zombie) and that no live process is
+    attached to; returns ``[(name, why)]`` of those removed.
+
+    The owner is the pid *and* start time the pool records, so a pool left by
+    a dead server whose pid we now have (pid 1 in a container) is dead too.
+    A pool of another user is never touched (it cannot be opened)."""
+    from shmcache import segment
+    from shmcache.errors import ShmCacheError
+    from shmcache.inspect_pool import PoolView, cleanup
+    out = []
+    for name in segment.list_names():
+        if not fnmatch.fnmatchcase(name, pattern):
+            continue
+        try:
+            with PoolView(name, require_ready=False) as v:
+                if v.owner_alive():          # (a live server's: not even its lock is taken)
+                    continue
+            removed, why = cleanup(name)
+        except (ShmCacheError, OSError):
+            continue
+        if removed:
+            out.append((name, why))
+    return out
+
+
+def choose_pool_blocks(per_block: int, shm_free: int, *, budget: int = DEFAULT_POOL_BYTES,
+                       share: float = SHM_SHARE, overhead: Callable[[int], int] = lambda n: 0
+                       ) -> tuple:
+    """The default pool size: ``(max_blocks, why)``.
+
+    As many blocks as fit in ``budget`` bytes of K/V and in ``share`` of
+    /dev/shm's free space (``shm_free``), metadata (``overhead(blocks)``)
+    included, and at most 2**20.
+
+    Raises:
+        PoolDoesNotFit: not even :data:`MIN_POOL_BLOCKS` fit.
+    """
+    room = int(shm_free * share)
+    limit, why = (budget, f"{budget >> 20} MiB of K/V, the default") if budget <= room else (
+        room, f"{share:.0%} of /dev/shm's {shm_free / 2**20:.0f} MiB free")
+    n = min(1 << 20, limit // per_block)
+    while n >= MIN_POOL_BLOCKS and n * per_block + overhead(n) > limit:
+        n = int(n * 0.95)
+    if n < MIN_POOL_BLOCKS:
+        need = MIN_POOL_BLOCKS * per_block + overhead(MIN_POOL_BLOCKS)
+        raise PoolDoesNotFit(
+            f"/dev/shm has {shm_free / 2**20:.1f} MiB free, and the smallest pool for this "
+            f"model ({MIN_POOL_BLOCKS} blocks) needs {need / 2**20:.1f} MiB (half the free "
+            f"space at most); give /dev/shm more room (docker run --shm-size=1g; "
+            f"shmcache cleanup removes dead pools) or choose the size with --max-blocks N")
+    return n, why
+
+
+
+def blas_threads_per_worker(workers: int) -> int:
+    """BLAS threads for each of ``workers`` processes: this process's CPUs
+    divided among them, at least 1."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, cpus // max(1, workers))
+
+
+MIN_WORKING_BYTES = 256 << 20
+
+
+def default_working_bytes(workers: int) -> int:
+    """A worker's default ``--max-working-bytes``: half of this machine's
+    memory divided among ``workers`` (the other half is for the weights, the
+    pool, the server and everything else), at least 256 MiB."""
+    import psutil
+    return max(MIN_WORKING_BYTES, psutil.virtual_memory().total // 2 // max(1, workers))
+
+
+class WorkerProc:
+    """One worker process: its pipes, its requests in flight, its reports."""
+
+    def __init__(self, idx: int) -> None:
+        self.idx = idx
+        self.proc: Optional[asyncio.subprocess.Process] = None
+        self.ready = asyncio.Event()
+        self.flights: dict = {}
+        self.load = 0
+        self.preemptions = 0
+        self.working_bytes = 0
+        self.l2: dict = {}                 # its L2 counters and "up", as last reported
+        self.reader: Optional[asyncio.Task] = None
+        self.enc = msgspec.msgpack.Encoder()
+        self.last_heard: Optional[float] = None   # monotonic; None until it is ready
+        self.stalled = False                       # silent too long: out of routing
+
+    def send(self, msg) -> None:
+        body = self.enc.encode(msg)
+        self.proc.stdin.write(len(body).to_bytes(4, "little") + body)
+
+
+class WorkerLifecycle:
+    """Starting, watching, restarting and stopping the worker processes
+    (a mixin of ``WorkerBackend``, which sets the attributes used here)."""
+
+    # settings main.py may change after construction (see the module docstring)
+    stall_s: float = DEFAULT_STALL_S
+    max_reruns: int = DEFAULT_MAX_RERUNS
+    startup_cancelled: Callable[[], bool] = staticmethod(lambda: False)
+    context_length: Optional[int] = None      # the model's, from its config (None: unknown)
+    max_working_bytes: Optional[int] = None   # per worker (None: default_working_bytes)
+
+    # set by WorkerBackend.__init__ (backend.py), which also has _on and _dispatch
+    path: Path
+    n_workers: int
+    block_size: int
+    max_batch: int
+    prefill_step: int
+    pool_name: str
+    restarts: int
+    l2_url: Optional[str]
+    l2_timeout: Optional[float]
+    l2_retry: Optional[float]
+    l2_ttl: Optional[int]
+    l2_shared: bool
+    _l2_secret: Optional[bytes]
+    _on: Callable[..., None]
+    _dispatch: Callable[..., Any]
+
+    def working_bytes_limit(self) -> int:
+        """Each worker's limit on working K/V buffer bytes (``--max-working-bytes``)."""
+        return self.max_working_bytes or default_working_bytes(self.n_workers)
+
+    # ------------------------------------------------------------ lifecycle
+    def prepare(self) -> None:
+        """Reads the model's layout and creates the pool (``start`` does it if
+        not done yet). Call it before serving to fail early: a model that
+        cannot be loaded or served raises ValueError, FileNotFoundError or
+        NotPoolableError; a pool that does not fit, PoolDoesNotFit or
+        InsufficientSharedMemoryError."""
+        if self.mgr is None:
+            # On this (the main) thread, not in an executor: pool_layout runs
+            # the model once, which fills MLX's *thread-local* compile cache
+            # (swiglu, ...). An executor thread destroys that cache at its
+            # exit, after Python has let it go, and the destructor takes the
+            # GIL: racing the interpreter's finalization at shutdown, that
+            # aborted the server ("terminate called without an active
+            # exception", exit 134).
+            self._create_pool()
+
+    async def start(self) -> None:
+        self.prepare()
+        self.workers = [WorkerProc(i) for i in range(self.n_workers)]
+        for w in self.workers:
+            await self._spawn(w)
+        log.info("loading the model in %d workers...", self.n_workers)
+        while not all(w.ready.is_set() for w in self.workers):
+            await asyncio.sleep(0.05)
+            if self.startup_cancelled():
+                raise StartupCancelled("stopped while the workers were loading the model")
+            dead = [w for w in self.workers if w.proc.returncode is not None]
+            if dead:
+                raise RuntimeError(f"worker {dead[0].idx} exited with {dead[0].proc.returncode} "
+                                   f"while loading the model (its error is above)")
+        self._started = True
+        self._watchdog = asyncio.create_task(self._watch())
+        log.info("all %d workers ready (pool %s: %d blocks of %d tokens)", self.n_workers,
+                 self.pool_name, self.mgr.max_blocks, self.block_size)
+
+    def _create_pool(self) -> None:
+        import mlx.core as mx  # noqa: F401  (after shmcache: the fast BLAS)
+        from mlx_lm.utils import load_model
+
+        from shmcache import layout as L
+        from shmcache import segment
+        from shmcache.mlx_lm import pool_layout
+        model, config = load_model(self.path, lazy=True)
+        lay = pool_layout(model)
+        del model
+        ctx = config.get("max_position_embeddings") if isinstance(config, dict) else None
+        self.context_length = int(ctx) if isinstance(ctx, int) and ctx > 0 else None
+        per_block = L.kv_block_bytes(lay["num_layers"], lay["num_kv_heads"], lay["head_dim"],
+                                     self.block_size, lay["dtype"])
+        max_slots = max(64, 4 * self.n_workers)
+        max_tables = max(1024, 4 * self.max_batch * self.n_workers)
+
+        def size(n: int) -> int:
+            return L.compute_layout(self.block_size, n, True, lay["num_layers"],
+                                    lay["num_kv_heads"], lay["head_dim"], lay["dtype"],
+                                    max_slots, max_tables, 16 * n).total_size
+        if self.max_blocks is None:
+            free = segment.free_bytes(segment.SHM_DIR)
+            self.max_blocks, why = choose_pool_blocks(
+                per_block, free, overhead=lambda n: size(n) - n * per_block)
+            log.info("pool: %d blocks of %d tokens, %.0f MiB (%s; --max-blocks sets it)",
+                     self.max_blocks, self.block_size, size(self.max_blocks) / 2**20, why)
+        self.mgr = shmcache.create_pool(
+            self.pool_name, block_size=self.block_size, max_blocks=self.max_blocks,
+            max_slots=max_slots, max_refs=16 * self.max_blocks, max_tables=max_tables, **lay)
+        self.layout = lay
+        if self.l2_url:
+            self._start_l2()
+
+    def _start_l2(self) -> None:
+        from shmcache import l2
+        self.l2_model_id = l2.model_identity(self.path)
+        client = l2.connect(self.l2_url, 1.0)       # (raises without redis-py)
+        try:
+            ok = bool(client.ping())
+        except Exception as e:
+            ok, why = False, f"{type(e).__name__}: {e}"
+        finally:
+            client.close()
+        log.info("L2: %s (%s), %s secret, model %s", l2.redact(self.l2_url),
+                 "reachable" if ok else f"not reachable now ({why}); the workers retry",
+                 "the cluster" if self.l2_shared else "this pool's own",
+                 self.l2_model_id)
+
+    async def _spawn(self, w: WorkerProc) -> None:
+        w.ready.clear()
+        env = dict(os.environ)
+        # the CPUs shared out among the workers: each one's BLAS gets its
+        # share as threads (at least 1), unless the operator chose
+        env.setdefault("SHMCACHE_BLAS_THREADS", str(blas_threads_per_worker(self.n_workers)))
+        extra = []
+        if self.l2_url:
+            if self._l2_secret is not None:
+                env[wire.L2_SECRET_ENV] = self._l2_secret.hex()
+            extra = ["--l2", self.l2_url, "--l2-model-id", self.l2_model_id]
+            for flag, v in (("--l2-timeout", self.l2_timeout), ("--l2-retry", self.l2_retry),
+                            ("--l2-ttl", self.l2_ttl)):
+                if v is not None:
+                    extra += [flag, str(v)]
+        w.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "workers.worker.main", "--pool", self.pool_name,
+            "--model", str(self.path), "--id", str(w.idx), "--max-batch", str(self.max_batch),
+            "--prefill-step", str(self.prefill_step),
+            "--max-working-bytes", str(self.working_bytes_limit()), *extra,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
+            start_new_session=True)          # Ctrl-C reaches the server, which stops them
+        w.reader = asyncio.create_task(self._read(w, w.proc))
+
+    def fail_in_flight(self, message: str = "the server is shutting down",
+                       status: int = 503) -> int:
+        """Ends every request in flight with an error (before the HTTP server
+        cancels them at shutdown, so that each client is told why); returns
+        how many. New requests are refused from now on."""
+        self._closing = True
+        n = 0
+        for w in self.workers:
+            for f in list(w.flights.values()):
+                f.q.put_nowait(Error(message, status))
+                n += 1
+        return n
+
+    async def close(self) -> None:
+        self._closing = True
+        watchdog = getattr(self, "_watchdog", None)
+        if watchdog is not None:
+            watchdog.cancel()
+        for w in self.workers:
+            if w.proc and w.proc.returncode is None and not w.ready.is_set() \
+                    and not self._started:
+                w.proc.terminate()            # still loading the model: stop it now
+            if w.proc and w.proc.returncode is None:
+                try:
+                    w.send(wire.Stop())
+                    w.proc.stdin.close()
+                except (BrokenPipeError, ConnectionResetError, RuntimeError):
+                    pass
+        for w in self.workers:
+            if w.proc:
+                try:
+                    await asyncio.wait_for(w.proc.wait(), 10)
+                except asyncio.TimeoutError:
+                    w.proc.kill()
+                    await w.proc.wait()
+        for w in self.workers:
+            for f in w.flights.values():
+                f.q.put_nowait(Error("the server is shutting down", 503))
+        if self.mgr is not None:
+            self.mgr.destroy()
+            self.mgr = None
+
+    # ---------------------------------------------------------- a worker's pipe
+    async def _read(self, w: WorkerProc, proc) -> None:
+        dec = wire.from_worker
+        try:
+            while True:
+                head = await proc.stdout.readexactly(4)
+                body = await proc.stdout.readexactly(int.from_bytes(head, "little"))
+                msg = dec.decode(body)
+                if w.proc is proc:
+                    self._heard(w, isinstance(msg, wire.Ready))
+                self._on(w, msg)
+        except (asyncio.IncompleteReadError, ConnectionResetError):
+            pass
+        await proc.wait()
+        if not self._closing and self._started:
+            await self._died(w, proc.returncode)
+
+    # ------------------------------------------------------------ heartbeat
+    def _heard(self, w: WorkerProc, ready: bool) -> None:
+        if ready or w.last_heard is not None:
+            w.last_heard = time.monotonic()
+        if w.stalled:
+            w.stalled = False
+            w.ready.set()
+            log.warning("worker %d (pid %d) speaks again: routed to again", w.idx, w.proc.pid)
+
+    async def _watch(self) -> None:
+        """Every ``stall_s / 4`` (at most 1 s): a worker silent for ``stall_s``
+        leaves the routing, one silent for ``2 * stall_s`` is killed (its
+        reader then restarts it and re-runs its requests). Logs the requests
+        waiting long for their first token (a long prefill)."""
+        waiting_logged: dict = {}
+        while not self._closing:
+            await asyncio.sleep(min(1.0, self.stall_s / 4))
+            now = time.monotonic()
+            for w in self.workers:
+                if w.proc is None or w.proc.returncode is not None or w.last_heard is None:
+                    continue
+                silent = now - w.last_heard
+                if silent > 2 * self.stall_s:
+                    log.warning("worker %d (pid %d) silent for %.1f s: killed, to be restarted",
+                                w.idx, w.proc.pid, silent)
+                    w.last_heard = None
+                    try:
+                        w.proc.kill()
+                    except ProcessLookupError:
+                        pass
+                elif silent > self.stall_s and not w.stalled:
+                    w.stalled = True
+                    w.ready.clear()
+                    log.warning("worker %d (pid %d) silent for %.1f s (stopped or hung): no "
+                                "new requests go to it; killed at %.0f s", w.idx, w.proc.pid,
+                                silent, 2 * self.stall_s)
+                for f in w.flights.values():
+                    if f.started:
+                        continue
+                    t0 = waiting_logged.setdefault(f.gen.id, now)
+                    waited = now - t0
+                    if waited >= 5 and int(waited) % 5 == 0 and int(waited) != getattr(
+                            f, "_logged_at", None):
+                        f._logged_at = int(waited)
+                        # progress: the prompt tokens in the pool so far (the
+                        # worker's Progress after its cache hit and each chunk)
+                        log.info("request %d: prefill %d of %d prompt tokens, no first "
+                                 "token after %d s on worker %d (a long prefill, or a queue)",
+                                 f.gen.id, getattr(f, "progress", 0), len(f.gen.prompt),
+                                 int(waited), w.idx)
+            live = {f.gen.id for w in self.workers for f in w.flights.values()}
+            for rid in [r for r in waiting_logged if r not in live]:
+                del waiting_logged[rid]
+
+    async def _died(self, w: WorkerProc, rc) -> None:
+        flights = list(w.flights.values())
+        w.flights.clear()
+        w.ready.clear()
+        w.last_heard, w.stalled = None, False
+        w.l2 = {}                          # (its counters are the pool's: they stay)
+        log.warning("worker %d (pid %d) died (exit %s); re-running its %d requests",
+                    w.idx, w.proc.pid, rc if rc is None or rc >= 0 else signal.Signals(-rc).name,
+                    len(flights))
+        if self.mgr is not None:
+            self.mgr.reclaim_dead()
+        self.restarts += 1
+        await self._spawn(w)
+        for f in flights:
+            f.reruns = getattr(f, "reruns", 0) + 1
+            if f.reruns > self.max_reruns:
+                log.warning("request %d was on %d workers that died: not run again",
+                            f.gen.id, f.reruns)
+                f.q.put_nowait(Error(
+                    f"the request was running on {f.reruns} worker processes that died "
+                    f"(the last exited with {rc}); it is not run again, in case it is what "
+                    f"kills them", 500))
+                continue
+            await self._dispatch(f)

@@ -38,7 +38,7 @@ struct Hot {
     bool has_view = false;
     HotCore core;
     // how long each wait of a fused op for the lock took (for its turn,
-    // and in the kernel), in ns, while log_waits() is on (tools/bench_scale
+    // and in the kernel), in ns, while log_waits() is on (tools/bench/scale
     // counts them with the slow path's)
     bool log_waits = false;
     std::vector<int64_t> waits;

@@ -58,7 +58,7 @@ __attribute__((target("avx2"))) inline void copy_avx2(char* d, const char* s, in
 
 // NOTE: a copy of copy_avx2 with other stores, on purpose: one loop with a
 // run-time streaming flag in it made the 64-block read twice as slow
-// (e0fa556's tools/profile_read_kv). Streaming stores need a 32-byte aligned
+// (e0fa556's tools/bench/profile_read_kv). Streaming stores need a 32-byte aligned
 // destination: the bytes before the first boundary and after the last whole
 // 128 go through memcpy.
 __attribute__((target("avx2"))) inline void copy_avx2_stream(char* d, const char* s, int64_t c) {

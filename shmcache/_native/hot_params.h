@@ -63,10 +63,10 @@ typedef struct {
     int64_t c_tokens;       /* counter index of the seed's total_tokens_cached (-1: off) */
     int64_t turn;           /* the lock holder's turn (hot_enter.h's take_turn), -1: none */
     int64_t turn_wait_ns;   /* how long the last take_turn waited for its turn */
-    int log_holds;          /* time the fused ops' holds (tools/bench_scale --steps) */
+    int log_holds;          /* time the fused ops' holds (tools/bench/scale --steps) */
     int64_t hold_start;     /* when the current hold began (log_holds) */
     int64_t holds, held_ns; /* the holds timed, and their total */
-    /* log_holds == 2 also traces each hold (tools/bench_scale --trace; see
+    /* log_holds == 2 also traces each hold (tools/bench/scale --trace; see
      * hot_mutex.h's trace_hold) into a buffer of trace_cap words the
      * binding owns */
     int64_t *trace;

@@ -147,7 +147,7 @@ def server_argv(cfg: Config, model: str, port: int, args) -> list[str]:
                 "--workers", str(args.workers), "--port", str(port), "--log-level", "warning",
                 *shlex.split(args.serve_args)]
     if cfg.kind == "llama":
-        return [sys.executable, "-m", "tools.llama_server", "--model", args.gguf,
+        return [sys.executable, "-m", "tools.bench.llama_server", "--model", args.gguf,
                 "--port", str(port), "--n_threads", str(os.cpu_count() or 1),
                 "--n_ctx", "4096",
                 # its default (True) cuts a streaming reply off when the next

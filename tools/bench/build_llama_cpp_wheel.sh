@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Build llama-cpp-python's wheel once and cache it (it is not a dependency of
-# shmcache: tools.bench_serve's llama configuration and tools.llama_agreement
+# shmcache: tools.bench_serve's llama configuration and tools.bench.llama_agreement
 # use it where it is installed). Building from the sdist takes about 12 minutes
 # on 2 cores (30 with the examples and tools, which are switched off here).
 #
-#   bash tools/build_llama_cpp_wheel.sh            # build (or reuse) the wheel
-#   bash tools/build_llama_cpp_wheel.sh install    # and install it into .venv
+#   bash tools/bench/build_llama_cpp_wheel.sh            # build (or reuse) the wheel
+#   bash tools/bench/build_llama_cpp_wheel.sh install    # and install it into .venv
 #
 # The wheel goes to ${SHMCACHE_WHEELS:-~/.cache/shmcache/wheels}. It is built
 # for this machine's CPU (llama.cpp's GGML_NATIVE); carry it only to the same kind.
 set -euo pipefail
-ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 VERSION=${LLAMA_CPP_VERSION:-0.3.36}
 WHEELS=${SHMCACHE_WHEELS:-$HOME/.cache/shmcache/wheels}
 PY=${PY:-$ROOT/.venv/bin/python}

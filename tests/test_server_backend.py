@@ -184,3 +184,39 @@ def test_a_new_shared_prefix_is_computed_once_and_spreads_over_workers(model_dir
         text = srv.get("/metrics").text
         for idx in (0, 1):
             assert f'shmcache_worker_requests_running{{worker="{idx}"}}' in text
+
+
+def _blas_threads(text: str) -> dict:
+    return {int(m.group(1)): float(m.group(2)) for m in re.finditer(
+        r'^shmcache_worker_blas_threads\{worker="(\d+)"\} ([0-9.]+)$', text, re.M)}
+
+
+@pytest.mark.timeout(300)
+def test_idle_workers_lend_their_cores_to_the_busy_one(model_dir, reference):
+    """--lend-cores, one request on 2 workers: each worker starts with half
+    the CPUs as BLAS threads, and while only one has work it runs on all of
+    them (the idle worker's share is lent: it makes no BLAS calls). The worker itself reports
+    the thread count its BLAS runs, and /metrics shows it; the tokens are the
+    same as with one thread."""
+    cpus = len(os.sched_getaffinity(0))
+    if cpus < 2:
+        pytest.skip(f"{cpus} CPU: nothing to lend")
+    with serving(model_dir, "--workers", 2, "--max-blocks", 256, "--lend-cores") as srv:
+        client = srv.client()
+        share = max(1, cpus // 2)
+        deadline = time.monotonic() + 30
+        while sorted(_blas_threads(srv.get("/metrics").text).values()) != [share, share]:
+            assert time.monotonic() < deadline, srv.get("/metrics").text
+            time.sleep(0.1)
+        prompt = printable(random.Random(5), 120)
+        r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24,
+                                      temperature=0)
+        assert got(r) == reference.greedy(prompt, 24)
+        # the worker that served it was told all the CPUs, and says it runs them
+        deadline = time.monotonic() + 30
+        while max(_blas_threads(srv.get("/metrics").text).values()) != cpus:
+            assert time.monotonic() < deadline, srv.get("/metrics").text
+            time.sleep(0.1)
+        r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24,
+                                      temperature=0)
+        assert got(r) == reference.greedy(prompt, 24)

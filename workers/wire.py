@@ -39,7 +39,13 @@ class Stop(msgspec.Struct, tag="stop"):
     pass
 
 
-ToWorker = Union[Gen, Cancel, Stop]
+class Threads(msgspec.Struct, tag="threads"):
+    """Run BLAS on ``n`` threads from the next step on: the supervisor lends
+    the cores of idle workers to the busy ones (``core_shares``)."""
+    n: int
+
+
+ToWorker = Union[Gen, Cancel, Stop, Threads]
 
 
 # ----------------------------------------------------------- from a worker
@@ -82,6 +88,7 @@ class Load(msgspec.Struct, tag="load"):
     preemptions: int
     working_bytes: int             # this worker's private K/V working buffers
     l2: dict[str, int] = {}        # the L2 tier's counters (shmcache.l2.COUNTERS, "up"), if any
+    blas_threads: int = 0          # the threads its BLAS runs now (0: unknown)
 
 
 FromWorker = Union[Ready, Admitted, Progress, Step, Failed, Load]

@@ -150,6 +150,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "for its running requests (rounded down to whole blocks; default: "
                         "%(default)s). Larger: faster prefill; smaller: shorter pauses in the "
                         "replies streaming from the same worker")
+    p.add_argument("--lend-cores", action="store_true",
+                   help="let a worker with requests run BLAS on the cores of the idle workers "
+                        "(their share of the CPUs, which they leave unused); off by default: "
+                        "on 16 cores it did not raise chat throughput and lengthened the "
+                        "pauses within replies (docs/decisions/0015-lend-idle-cores.md); "
+                        "ignored when $SHMCACHE_BLAS_THREADS is set")
     p.add_argument("--pool-name", metavar="NAME", type=_pool_name, default=None,
                    help="the pool's name in /dev/shm (default: serve-<pid>; give each server "
                         "its own when containers share /dev/shm with --ipc=host)")
@@ -309,7 +315,8 @@ def _run(args, sock) -> int:
                                     l2_retry=getattr(args, "l2_retry", None),
                                     l2_ttl=getattr(args, "l2_ttl", None),
                                     pool_name=getattr(args, "pool_name", None),
-                                    prefill_step=getattr(args, "prefill_step", 512))
+                                    prefill_step=getattr(args, "prefill_step", 512),
+                                    lend_cores=getattr(args, "lend_cores", False))
             if template is not None:
                 # the HF tokenizer's template, used by apply_chat_template
                 backend.tokenizer._tokenizer.chat_template = template

@@ -91,6 +91,13 @@ class _BackendCollector:
             for idx, n in sorted(values.get("worker_running", {}).items()):
                 per_worker.add_metric([str(idx)], float(n))
         yield per_worker
+        threads = GaugeMetricFamily(f"{PREFIX}_worker_blas_threads",
+                                    "BLAS threads a worker runs (idle workers' cores are lent "
+                                    "to busy ones)", labels=["worker"])
+        if values is not None:
+            for idx, n in sorted(values.get("worker_blas_threads", {}).items()):
+                threads.add_metric([str(idx)], float(n))
+        yield threads
 
     def describe(self):
         return list(self._families(None))

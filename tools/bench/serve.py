@@ -93,7 +93,7 @@ from tools.bench.serve_procs import (SHM_DIR, PssSampler, Server, _shm_entries, 
 from tools.bench.serve_report import (TARGETS, _ms, _span, _table, report,  # noqa: F401
                                       summarize)
 
-CONFIGS = ("a", "b", "c", "c-sticky", "llama")
+CONFIGS = ("a", "a-lend", "b", "c", "c-sticky", "llama")
 DEFAULT_CONFIGS = ("a", "b", "c", "c-sticky")
 #: Debian's libopenblas0-pthread: the BLAS every configuration runs on
 DEBIAN_OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
@@ -113,6 +113,7 @@ class Config:
     env: dict = field(default_factory=dict)
     env_unset: tuple = ()
     workloads: tuple = WORKLOADS
+    serve_args: tuple = ()       # more `shmcache serve` arguments (kind "shmcache")
 
 
 def make_configs(workers: int, blas_path: str, sticky: str) -> dict[str, Config]:
@@ -124,6 +125,10 @@ def make_configs(workers: int, blas_path: str, sticky: str) -> dict[str, Config]
         "a": Config("a", f"shmcache serve --workers {workers} (OpenBLAS bound by shmcache, "
                     f"its default: {share} thread(s) per worker)", "shmcache", 1, workers,
                     env={"SHMCACHE_BLAS": blas_path}, env_unset=_BLAS_ENV),
+        # the same with --lend-cores: what lending idle workers' cores gives
+        "a-lend": Config("a-lend", "a with --lend-cores (idle workers' cores lent to busy ones)",
+                         "shmcache", 1, workers, env={"SHMCACHE_BLAS": blas_path},
+                         env_unset=_BLAS_ENV, serve_args=("--lend-cores",)),
         "b": Config("b", f"1 x mlx_lm.server, its defaults: LD_PRELOAD OpenBLAS, "
                     f"OPENBLAS_NUM_THREADS unset ({cores} threads)", "mlx", 1, 1,
                     env={"LD_PRELOAD": blas_path}, env_unset=_BLAS_ENV),
@@ -145,7 +150,7 @@ def server_argv(cfg: Config, model: str, port: int, args) -> list[str]:
     if cfg.kind == "shmcache":
         return [sys.executable, "-m", "shmcache.cli", "serve", "--model", model,
                 "--workers", str(args.workers), "--port", str(port), "--log-level", "warning",
-                *shlex.split(args.serve_args)]
+                *cfg.serve_args, *shlex.split(args.serve_args)]
     if cfg.kind == "llama":
         return [sys.executable, "-m", "tools.bench.llama_server", "--model", args.gguf,
                 "--port", str(port), "--n_threads", str(os.cpu_count() or 1),

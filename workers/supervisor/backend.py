@@ -47,7 +47,8 @@ from typing import AsyncIterator, Optional
 
 from .. import wire
 from ..protocol import Error, SampleDone, SamplingParams, Started, Tokens
-from .worker_procs import WorkerLifecycle, WorkerProc
+from .worker_procs import (WorkerLifecycle, WorkerProc, blas_threads_per_worker, core_shares,
+                           cpus_available)
 
 
 class _Flight:
@@ -87,7 +88,7 @@ class WorkerBackend(WorkerLifecycle):
                  max_batch: int = 32, l2: Optional[str] = None,
                  cluster_secret: Optional[str] = None, l2_timeout: Optional[float] = None,
                  l2_retry: Optional[float] = None, l2_ttl: Optional[int] = None,
-                 prefill_step: int = 512) -> None:
+                 prefill_step: int = 512, lend_cores: bool = False) -> None:
         from mlx_lm.utils import load_tokenizer
         self.path = Path(model)
         if not (self.path / "config.json").is_file():
@@ -100,6 +101,10 @@ class WorkerBackend(WorkerLifecycle):
         self.max_blocks = max_blocks
         self.max_batch = max_batch
         self.prefill_step = max(block_size, prefill_step // block_size * block_size)
+        # lend idle workers' cores to busy ones (asked for, and the operator
+        # did not choose the threads)
+        self.lend_cores = lend_cores and not os.environ.get("SHMCACHE_BLAS_THREADS", "").strip()
+        self.cpus = cpus_available()
         self._changed = asyncio.Event()    # set (and replaced) when a flight moves on
         self.pool_name = pool_name or f"serve-{os.getpid()}"
         self.mgr = None
@@ -161,9 +166,28 @@ class WorkerBackend(WorkerLifecycle):
         return False
 
     def _moved(self) -> None:
-        """Wake the requests waiting in ``_dispatch``."""
+        """Wake the requests waiting in ``_dispatch``; share the cores out again."""
         self._changed.set()
         self._changed = asyncio.Event()
+        self._lend_cores()
+
+    def _lend_cores(self) -> None:
+        """With ``--lend-cores``: tell each worker with requests how many BLAS
+        threads to run, the cores of the idle workers lent to the busy ones
+        (``core_shares``). Off by default, and when the operator chose the
+        threads ($SHMCACHE_BLAS_THREADS)."""
+        if not self.lend_cores:
+            return
+        live = self._live()
+        busy = [w for w in live if w.flights]
+        n = core_shares(len(busy), self.cpus, blas_threads_per_worker(self.n_workers))
+        for w in busy:
+            if w.blas_threads != n:
+                try:
+                    w.send(wire.Threads(n))
+                except (OSError, RuntimeError, AttributeError):   # dying: the heartbeat acts
+                    continue
+                w.blas_threads = n
 
     async def _dispatch(self, f: _Flight) -> None:
         while True:
@@ -182,6 +206,7 @@ class WorkerBackend(WorkerLifecycle):
         f.seen = [0] * len(f.seen)
         f.progress = 0
         w.flights[f.gen.id] = f
+        self._lend_cores()              # before the request: its prefill runs with them
         w.send(f.gen)
 
     # ---------------------------------------------------------- interface
@@ -242,7 +267,9 @@ class WorkerBackend(WorkerLifecycle):
                                      and w.proc.returncode is None),
                    working_bytes=sum(w.working_bytes for w in self.workers),
                    worker_running={w.idx: sum(f.gen.params.n for f in w.flights.values()
-                                              if f.started) for w in self.workers})
+                                              if f.started) for w in self.workers},
+                   worker_blas_threads={w.idx: w.blas_threads_running for w in self.workers
+                                        if w.blas_threads_running})
         if self.l2_url:
             out.update(self.l2_stats())
         return out
@@ -303,6 +330,7 @@ class WorkerBackend(WorkerLifecycle):
                 f.q.put_nowait(Error(msg.message, msg.status))
         elif isinstance(msg, wire.Load):
             w.preemptions, w.working_bytes = msg.preemptions, msg.working_bytes
+            w.blas_threads_running = msg.blas_threads
             if msg.l2:
                 w.l2 = msg.l2
         elif isinstance(msg, wire.Ready):

@@ -135,11 +135,31 @@ def choose_pool_blocks(per_block: int, shm_free: int, *, budget: int = DEFAULT_P
 def blas_threads_per_worker(workers: int) -> int:
     """BLAS threads for each of ``workers`` processes: this process's CPUs
     divided among them, at least 1."""
+    return max(1, cpus_available() // max(1, workers))
+
+
+def cpus_available() -> int:
     try:
-        cpus = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return max(1, cpus // max(1, workers))
+        return os.cpu_count() or 1
+
+
+def core_shares(busy: int, cpus: int, base: int) -> int:
+    """BLAS threads for each of ``busy`` workers that have requests, when the
+    other workers are idle: the ``cpus`` shared out among the busy ones, never
+    fewer than ``base`` (each worker's own share, ``blas_threads_per_worker``).
+
+    Why lend: a worker computes with its own BLAS threads only, so one long
+    prefill on a worker of 8 would use 2 of 16 cores while the other 14 wait
+    (with a shared system prompt, every other request waits on that prefill).
+    N separate servers cannot lend each other cores; one supervisor can. An
+    idle worker makes no BLAS calls, so its share is free to lend, and the
+    sum over busy workers never exceeds ``cpus`` (except for one step, while
+    a worker that was lent cores finishes the step it started with them)."""
+    if busy <= 0:
+        return base
+    return max(base, cpus // busy)
 
 
 MIN_WORKING_BYTES = 256 << 20
@@ -165,6 +185,8 @@ class WorkerProc:
         self.preemptions = 0
         self.working_bytes = 0
         self.l2: dict = {}                 # its L2 counters and "up", as last reported
+        self.blas_threads = 0              # BLAS threads it was started with or last told
+        self.blas_threads_running = 0      # ... and the ones it last reported running
         self.reader: Optional[asyncio.Task] = None
         self.enc = msgspec.msgpack.Encoder()
         self.last_heard: Optional[float] = None   # monotonic; None until it is ready
@@ -298,6 +320,7 @@ class WorkerLifecycle:
         # the CPUs shared out among the workers: each one's BLAS gets its
         # share as threads (at least 1), unless the operator chose
         env.setdefault("SHMCACHE_BLAS_THREADS", str(blas_threads_per_worker(self.n_workers)))
+        w.blas_threads = int(env["SHMCACHE_BLAS_THREADS"])
         extra = []
         if self.l2_url:
             if self._l2_secret is not None:

@@ -24,6 +24,7 @@ import threading
 import time
 
 import shmcache  # first: binds the fast BLAS before mlx loads
+import shmcache.blas
 
 from .. import wire
 from ..wire import L2_SECRET_ENV
@@ -132,6 +133,8 @@ def main(argv=None) -> int:
                     engine.submit(msg)
                 elif isinstance(msg, wire.Cancel):
                     engine.cancel(msg.id)
+                elif isinstance(msg, wire.Threads):
+                    shmcache.blas.use_fast_blas(threads=msg.n)   # from this step on
                 try:
                     msg = q.get_nowait()
                 except queue.Empty:
@@ -142,7 +145,8 @@ def main(argv=None) -> int:
                 last_load = now
                 beat[0] = wire.Load(args.id, len(engine.rows), len(engine.waiting),
                                     engine.preemptions, engine.working_bytes(),
-                                    mgr.l2.stats() if mgr.l2 is not None else {})
+                                    mgr.l2.stats() if mgr.l2 is not None else {},
+                                    shmcache.blas.threads() or 0)
                 writer.send(beat[0])
                 beat[1] = now
     except BrokenPipeError:

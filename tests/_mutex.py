@@ -41,7 +41,7 @@ class PythonOnly:
 
 
 def python_only(m):
-    m._p.native = m._p.lock.native = PythonOnly(m._p.native)
+    m.pool.native = m.pool.lock.native = PythonOnly(m.pool.native)
     return m
 
 
@@ -88,5 +88,5 @@ def tell(proc, cmd):
 def native_of(mgr, pure):
     if pure:
         python_only(mgr)
-        mgr._p.native = mgr._p.lock.native = shlock.reference_mutex(mgr._p.mm)
-    return mgr._p.native
+        mgr.pool.native = mgr.pool.lock.native = shlock.reference_mutex(mgr.pool.mm)
+    return mgr.pool.native

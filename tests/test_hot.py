@@ -27,7 +27,7 @@ SCENARIO = """
     import shmcache
     from shmcache import layout as L
     m = shmcache.PagedCacheManager(block_size=4, max_blocks=32, max_refs=64)
-    p = m._p
+    p = m.pool
     t = m.create_block_table("t")
     for b in m.get_new_blocks(3):
         m.add_block_to_table(t, b, 4)
@@ -68,10 +68,10 @@ SCENARIO = """
         p.s_head[p.slot] = 10**6
         op = lambda: m.free_block(held[0].block_id)
     elif kind == "local word":
-        m._refs.loose._top[held[0].block_id] = 10**6 + 1   # (a link is word + 1)
+        m.internals.holder.refs.loose._top[held[0].block_id] = 10**6 + 1   # (a link is word + 1)
         op = lambda: m.free_block(held[0].block_id)
     elif kind == "slot word":
-        g = m._refs.loose.top(held[0].block_id)
+        g = m.internals.holder.refs.loose.top(held[0].block_id)
         p.kw[g] = held[1].block_id
         op = lambda: m.free_block(held[0].block_id)
     elif kind == "slot chunk link":
@@ -189,10 +189,10 @@ def test_alloc_checks_the_count_before_sizing_anything():
     MemoryError. Now a count the pool cannot have goes to the slow path."""
     m = shmcache.PagedCacheManager(block_size=4, max_blocks=32)
     try:
-        p = m._p
-        assert p.native.alloc(2**40, p.slot, m._epoch, m._refs.loose.buf) is None
-        assert p.native.alloc(32, p.slot, m._epoch, m._refs.loose.buf) is None
-        assert len(p.native.alloc(31, p.slot, m._epoch, m._refs.loose.buf)) == 31
+        p = m.pool
+        assert p.native.alloc(2**40, p.slot, m.internals.holder.epoch, m.internals.holder.refs.loose.buf) is None
+        assert p.native.alloc(32, p.slot, m.internals.holder.epoch, m.internals.holder.refs.loose.buf) is None
+        assert len(p.native.alloc(31, p.slot, m.internals.holder.epoch, m.internals.holder.refs.loose.buf)) == 31
         with pytest.raises(ValueError):
             p.native.set_chunks(10**12, 36, 15)  # more chunks than the mapping holds
         assert m.check() == []

@@ -240,7 +240,7 @@ class PoolMachine(PoolModel, RuleBasedStateMachine):
     # ------------------------------------------------------- invariants
     @invariant()
     def agrees_with_model(self):
-        m, p = self.m, self.m._p
+        m, p = self.m, self.m.pool
         assert p.blocks["ref_count"][:N].tolist() == self.ref
         assert m.free_block_queue.ids() == self.free
         assert m.free_blocks == len(self.free)
@@ -250,8 +250,8 @@ class PoolMachine(PoolModel, RuleBasedStateMachine):
             mt = m.get_block_table(rid)
             assert mt.block_ids == t["blocks"] and mt.num_tokens == t["tok"], rid
             assert len(mt) == len(t["blocks"])
-        assert sorted(m._index.cached_ids()) == sorted(self.cached)
-        assert {b: len(r) for b, r in m._refs.loose.as_dict().items()} == dict(self.loose)
+        assert sorted(m.internals.ledger.index.cached_ids()) == sorted(self.cached)
+        assert {b: len(r) for b, r in m.internals.holder.refs.loose.as_dict().items()} == dict(self.loose)
         alloc = [b for b in range(N) if self.ref[b] > 0]
         assert [p.blocks["token_count"][b] for b in alloc] == [self.tok[b] for b in alloc]
         s = m.get_stats()

@@ -143,6 +143,7 @@ class PoolLock:
         self._c = counters
         self._on_dirty = on_dirty
         self._tlock = threading.RLock()
+        self._owner = 0             # the thread holding (or taking) _tlock, 0: none
         self._depth = 0
         self._keep_dirty = 0
         self.check_usable = None    # raises once the owner is closed or forked
@@ -159,6 +160,7 @@ class PoolLock:
         if self._depth:
             self._depth += 1
             return self
+        self._owner = threading.get_ident()
         try:
             if self.unusable:
                 # before the mutex: a closed manager's mapping may be gone,
@@ -171,6 +173,7 @@ class PoolLock:
             if self.trace:
                 self._locked = time.monotonic_ns()
         except BaseException:
+            self._owner = 0
             self._tlock.release()
             raise
         self._depth = 1
@@ -219,6 +222,7 @@ class PoolLock:
                     self.release_claims()
                 self._unlock()
             finally:
+                self._owner = 0
                 self._tlock.release()
             raise
         self._c[C_DIRTY] = 1
@@ -248,6 +252,7 @@ class PoolLock:
             finally:
                 if self.trace:
                     self.native.trace_hold(self._asked, self._locked, time.monotonic_ns())
+                self._owner = 0
                 self._tlock.release()
         return False
 
@@ -268,3 +273,17 @@ class PoolLock:
     @property
     def held(self) -> bool:
         return self._depth > 0
+
+    def owned_here(self) -> bool:
+        """Whether this thread holds the lock, or is taking it."""
+        return self._owner == threading.get_ident()
+
+    def keep_dirty(self) -> None:
+        """Leave the pool marked dirty when this hold ends (lock held): its
+        next holder repairs it."""
+        self._keep_dirty = 1
+
+    @property
+    def keeps_dirty(self) -> bool:
+        """Whether this hold leaves the pool marked dirty."""
+        return bool(self._keep_dirty)

@@ -367,7 +367,7 @@ class Pool(SlotOps, MappedViews):
     # ------------------------------------------------------------------ slots
     def _take_slot(self) -> None:
         with self.lock:
-            if not (self.slots["state"] == 0).any() and not self.lock._keep_dirty:
+            if not (self.slots["state"] == 0).any() and not self.lock.keeps_dirty:
                 # No free slot: release what dead holders left so their slots
                 # can be reused (a clean pool only; a dirty one waits for repair).
                 reclaim_dead_slots(self)
@@ -409,17 +409,17 @@ class Pool(SlotOps, MappedViews):
         """
         note = "its next lock holder rebuilds it"
         lock = self.lock
-        if lock.held and lock._tlock._is_owned() and not self._repairing:
+        if lock.held and lock.owned_here() and not self._repairing:
             try:
                 if self._on_dirty() is not False:
                     note = "its derived state was rebuilt from the reference lists; retry the call"
                 else:
-                    lock._keep_dirty = 1        # left dirty when the lock is released
+                    lock.keep_dirty()           # left dirty when the lock is released
             except Exception as e:          # the repair itself failed: leave it dirty
-                lock._keep_dirty = 1
+                lock.keep_dirty()
                 note = f"rebuilding it failed too ({type(e).__name__}: {e})"
-        elif lock.held and lock._tlock._is_owned():
-            lock._keep_dirty = 1                # found by the repair itself
+        elif lock.held and lock.owned_here():
+            lock.keep_dirty()                   # found by the repair itself
         return CorruptPoolError(f"pool {self.name!r} is corrupt: {what}; {note}")
 
     def check_usable(self) -> None:

@@ -172,7 +172,8 @@ def test_finalizer_inside_another_managers_lock_does_not_deadlock(pool_name):
         try:
             other = shmcache.attach({pool_name!r})
             other.allocate_block()
-            del other                  # in a reference cycle: the GC collects it
+            other.cycle = other        # a reference cycle: only the cyclic GC collects it
+            del other
             with creator.pool.lock:      # as inside any op of creator
                 gc.collect()
             assert creator.check() == [], creator.check()

@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from typing import Any
 
 from . import layout as L
 from .errors import CorruptPoolError, ShmCacheError
@@ -146,13 +147,13 @@ class PoolLock:
         self._owner = 0             # the thread holding (or taking) _tlock, 0: none
         self._depth = 0
         self._keep_dirty = 0
-        self.check_usable = None    # raises once the owner is closed or forked
+        self.check_usable: Any = None    # raises once the owner is closed or forked
         self.unusable = False       # set with it, so the hot path tests a flag
         self.wait_log = None        # a list to append each slow-path wait (ns) to
         self.trace = False          # trace each hold in the native trace (bench_scale --trace)
-        self.claimed = []           # tables whose claim this hold took (claims.py)
-        self.release_claims = None  # gives them back (set by the pool)
-        self.on_stuck = None        # judges a lock word that names one live thread (the pool)
+        self.claimed: list = []     # tables whose claim this hold took (claims.py)
+        self.release_claims: Any = None  # gives them back (set by the pool)
+        self.on_stuck: Any = None   # judges a lock word that names one live thread (the pool)
         self._asked = self._locked = 0
 
     def __enter__(self):

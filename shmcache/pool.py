@@ -65,6 +65,13 @@ def prefix_hit_rate(hits: int, misses: int) -> float:
     return hits / (hits + misses) if hits + misses else 0.0
 
 
+def _words(a: Any) -> Any:
+    """A memoryview over a numpy array (typed Any: numpy's stubs do not say
+    an ndarray is a buffer, and typeshed's memoryview stores ints only,
+    where ``last_access`` holds floats)."""
+    return memoryview(a)
+
+
 class MappedViews:
     """The segment's structures as numpy arrays and memoryviews over one
     buffer (``map_views``): what ``Pool`` works on, and what a snapshot
@@ -80,6 +87,7 @@ class MappedViews:
     layout: L.Layout
     mm: Any
     corrupt: Any
+    arena: Any          # the K/V arena array, or None when not mapped
 
     def map_views(self, arena: bool = True) -> None:
         """Build the views over ``self.mm`` (the segment, or a private copy
@@ -89,44 +97,44 @@ class MappedViews:
         self.raw = memoryview(mm)
         self.header = np.frombuffer(mm, L.HEADER_DTYPE, 1, 0)
         self.counters = np.frombuffer(mm, np.int64, L.NUM_COUNTERS, lay.counters_off)
-        self.c = memoryview(self.counters)
+        self.c = _words(self.counters)
         self.slots = np.frombuffer(mm, L.SLOT_DTYPE, lay.max_slots, lay.slots_off)
         self.blocks = np.frombuffer(mm, L.BLOCK_DTYPE, lay.max_blocks + 2, lay.blocks_off)
         self.hidx = np.frombuffer(mm, np.int32, lay.hash_capacity, lay.hash_off)
         self.chunks = np.frombuffer(mm, L.CHUNK_DTYPE, lay.num_chunks, lay.refs_off)
         kw = np.frombuffer(mm, np.int32, lay.num_chunks * L.CHUNK_WORDS, lay.refs_off)
         self.kmat = kw.reshape(lay.num_chunks, L.CHUNK_WORDS)   # [chunk, 0]: link
-        self.kw = memoryview(kw)                               # the chunk area as words
+        self.kw = _words(kw)                               # the chunk area as words
         self.tables = np.frombuffer(mm, L.TABLE_DTYPE, lay.max_tables, lay.tables_off)
         self.tidx = np.frombuffer(mm, np.int32, lay.table_capacity, lay.tindex_off)
         b = self.blocks
-        self.b_ref = memoryview(b["ref_count"])
-        self.b_prev = memoryview(b["prev"])
-        self.b_next = memoryview(b["next"])
-        self.b_flags = memoryview(b["flags"])
-        self.b_tok = memoryview(b["token_count"])
-        self.b_last = memoryview(b["last_access"])
-        self.b_gen = memoryview(b["gen"])
+        self.b_ref = _words(b["ref_count"])
+        self.b_prev = _words(b["prev"])
+        self.b_next = _words(b["next"])
+        self.b_flags = _words(b["flags"])
+        self.b_tok = _words(b["token_count"])
+        self.b_last = _words(b["last_access"])
+        self.b_gen = _words(b["gen"])
         t = self.tables
-        self.t_state = memoryview(t["state"])
-        self.t_owner = memoryview(t["owner"])
-        self.t_head = memoryview(t["head"])
-        self.t_tail = memoryview(t["tail"])
-        self.t_len = memoryview(t["length"])
-        self.t_tok = memoryview(t["num_tokens"])
-        self.t_rhash = memoryview(t["rid_hash"])
-        self.t_claim = memoryview(t["claim"])
-        self.s_head = memoryview(self.slots["loose_head"])
-        self.s_count = memoryview(self.slots["loose_count"])
+        self.t_state = _words(t["state"])
+        self.t_owner = _words(t["owner"])
+        self.t_head = _words(t["head"])
+        self.t_tail = _words(t["tail"])
+        self.t_len = _words(t["length"])
+        self.t_tok = _words(t["num_tokens"])
+        self.t_rhash = _words(t["rid_hash"])
+        self.t_claim = _words(t["claim"])
+        self.s_head = _words(self.slots["loose_head"])
+        self.s_count = _words(self.slots["loose_count"])
         raw = self.raw
         boff = lay.blocks_off + L.BLOCK_HASH_OFF
         isz = L.BLOCK_DTYPE.itemsize
         self.hhome = lambda e: int.from_bytes(raw[boff + e * isz: boff + e * isz + 8], "little")
-        self.hindex = OpenIndex(memoryview(self.hidx), self.hhome,
+        self.hindex = OpenIndex(_words(self.hidx), self.hhome,
                                 lambda e, key: raw[boff + e * isz: boff + e * isz + 16] == key,
                                 lay.max_blocks, self.corrupt, "prefix index")
         rids, rhash = self.tables["request_id"], self.tables["rid_hash"]
-        self.tindex = OpenIndex(memoryview(self.tidx), lambda e: int(rhash[e]),
+        self.tindex = OpenIndex(_words(self.tidx), lambda e: int(rhash[e]),
                                 lambda e, key: rids[e] == key,
                                 lay.max_tables, self.corrupt, "table index")
         self.HEAD = lay.max_blocks
@@ -342,10 +350,10 @@ class Pool(SlotOps, MappedViews):
         b["flags"][0] = L.FLAG_NULL
         self.c[L.C_NUM_FREE] = n - 1
         # every chunk free: 0 -> 1 -> ... -> num_chunks-1, first ids -1
-        k = self.kmat
-        k[:, 0] = np.arange(1, lay.num_chunks + 1, dtype=np.int32)
-        k[-1, 0] = -1
-        k[:, 1] = -1
+        km = self.kmat
+        km[:, 0] = np.arange(1, lay.num_chunks + 1, dtype=np.int32)
+        km[-1, 0] = -1
+        km[:, 1] = -1
         self.c[L.C_HOLDER] = -1
         self.c[L.C_FREE_REF] = 0
         self.c[L.C_FREE_REFS] = lay.num_chunks

@@ -266,7 +266,7 @@ class PrefixCache:
             raise ValueError("register_block_hash needs at least one token")
         b = self.ledger.bid(block)
         at = self.holder.chains.just_appended(b) if n <= self.block_size else None
-        hashes = self._chunk_hashes(tokens) if at is None else None
+        hashes = self._chunk_hashes(tokens) if at is None else []
         p = self.pool
         with p.lock:
             self.ledger.sync()

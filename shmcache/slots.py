@@ -23,7 +23,7 @@ import logging
 import os
 import time
 import weakref
-from typing import Any
+from typing import Any, Optional, Tuple
 
 import numpy as np
 import psutil
@@ -145,6 +145,7 @@ class SlotOps:
     native: Any
     lock: Any
     _forked: bool
+    _stuck_word: Optional[Tuple[int, float]]     # (lock word, when first seen) while it stays
 
     @property
     def forked(self) -> bool:

@@ -484,7 +484,7 @@ class BlockTables:
                 words = [self.holder.refs.table_word(t, first)]
             else:
                 words = self.holder.refs.table_words(t)[first:last + 1]
-            out = []
+            out: List[CacheBlock] = []
             for i, g in zip(range(first, last + 1), words):
                 b = self.holder.refs.block_at(g, "table {}'s list", t)
                 p.b_tok[b] = min(bs, tok + num_new_tokens - i * bs)
@@ -552,7 +552,7 @@ class BlockTables:
             blocks = self.holder.refs.blocks_at(words, "table {}'s list", t)
             copied = False
             now = p.now()
-            out = []
+            out: List[CacheBlock] = []
             for g, b in zip(words, blocks):
                 p.b_last[b] = now
                 if p.b_ref[b] > 1 and self.ledger.ensure_free(1):

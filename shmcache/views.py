@@ -163,12 +163,12 @@ class TableBlockIds(list):
     def sort(self, *, key=None, reverse=False):
         return self._edit(lambda ids: ids.sort(key=key, reverse=reverse))
 
-    def __iadd__(self, other):
+    def __iadd__(self, other):  # type: ignore[misc]  # (list's: the table's ids, changed)
         other = list(other)
         self._edit(lambda ids: ids.extend(other))
         return self
 
-    def __imul__(self, n):
+    def __imul__(self, n):  # type: ignore[misc]
         self._edit(lambda ids: ids.__imul__(n))
         return self
 
@@ -213,7 +213,7 @@ class SharedBlockTable(BlockTable):
         return self._m.table_edit(self, op)
 
     @property
-    def block_ids(self) -> list:
+    def block_ids(self) -> list:  # type: ignore[override]  # (the dataclass field, live)
         m = self._m
         p = m.pool
         fused = getattr(p.native, "table_ids", None)

@@ -257,8 +257,8 @@ class BlockLedger:
     # ========================================================= block allocation
     def allocate_block(self) -> Optional[CacheBlock]:
         p = self.pool
-        if p.native.alloc is not None and not p.lock.unusable:
-            ids = self.call_native(p.native.alloc, 1)
+        if not p.lock.unusable:
+            ids = self.call_native(p.ops.alloc, 1)
             if ids is not None:
                 return SharedBlock(self, ids[0])
         with p.lock:
@@ -283,8 +283,8 @@ class BlockLedger:
             raise OutOfBlocksError(f"Cannot allocate {num_blocks} blocks, only "
                                    f"{p.c[L.C_NUM_FREE]} available (the pool has "
                                    f"{self.max_blocks - 1})")
-        if num_blocks and p.native.alloc is not None and not p.lock.unusable:
-            ids = self.call_native(p.native.alloc, num_blocks)
+        if num_blocks and not p.lock.unusable:
+            ids = self.call_native(p.ops.alloc, num_blocks)
             if ids is not None:
                 return [SharedBlock(self, b) for b in ids]
         with p.lock:
@@ -309,8 +309,8 @@ class BlockLedger:
 
     def free_block(self, block_id: int) -> bool:
         p = self.pool
-        if type(block_id) is int and p.native.free is not None and not p.lock.unusable:
-            freed = self.call_native(p.native.free, (block_id,))
+        if type(block_id) is int and not p.lock.unusable:
+            freed = self.call_native(p.ops.free, (block_id,))
             if freed is not None:
                 return freed == 1
         with p.lock:
@@ -329,8 +329,8 @@ class BlockLedger:
     def free_block_batch(self, blocks) -> None:
         ids = self.bids(blocks)
         p = self.pool
-        if p.native.free is not None and not p.lock.unusable:
-            if self.call_native(p.native.free, ids) is not None:
+        if not p.lock.unusable:
+            if self.call_native(p.ops.free, ids) is not None:
                 return
         with p.lock:
             self.sync()
@@ -400,10 +400,7 @@ class BlockLedger:
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 1 << 20:
             raise ValueError(f"reserve must be an int in [0, 1048576], got {n!r}")
         p = self.pool
-        set_res = getattr(p.native, "set_reserve", None)
-        if set_res is None:
-            return
-        dropped = set_res(n)
+        dropped = p.ops.set_reserve(n)      # (the reference keeps no reserve: None)
         if dropped:
             with p.lock:
                 self.sync()

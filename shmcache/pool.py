@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, Tuple
 
 import numpy as np
 
@@ -22,6 +22,7 @@ from . import layout as L
 from . import claims, recovery, segment
 from .reclaim import reclaim_dead_slots
 from .reserve import reserved_total
+from .hot_ops import NativeOps, ReferenceOps
 from .index import OpenIndex
 from .errors import CorruptPoolError, PoolClosedError
 from .lock import PoolLock, open_hot
@@ -209,7 +210,7 @@ class Pool(SlotOps, MappedViews):
         self.live_fd = liveness_fd(fd)
         self.map_views()
         # the pool mutex and the fused operations (C, or ctypes + fastpath)
-        self.native = self._open_native()
+        self.native, self.ops = self._open_native()
         self.lock = PoolLock(self.native, self.c, self._on_dirty)
         self.lock.check_usable = self.check_usable
         self.lock.unusable = False
@@ -219,20 +220,24 @@ class Pool(SlotOps, MappedViews):
         self.reclaimed_in_repair = 0     # references released by repairs, not yet reported
         live_pools.add(self)       # (last: the fork handler needs a whole Pool)
 
-    def _open_native(self):
+    def _open_native(self) -> Tuple[Any, ReferenceOps]:
+        """The pool mutex and the hot operations, chosen here once: the C
+        accelerator's (``NativeOps``) where ``_hot`` is loaded and fits this
+        layout, else the Python reference (``ReferenceOps``)."""
         native = open_hot(self.mm, self.layout, self.created_at)
         if hasattr(native, "set_chunks"):
             # what the fused ops need beyond lock.hot_params: the chunk
             # count (they check every chunk id they read against it), the
             # block record's generation and the seed's token counter
-            native.set_chunks(self.layout.num_chunks,
-                              L.BLOCK_DTYPE.fields["gen"][1], L.C_TOKENS)
-        elif getattr(native, "alloc", None) is not None:
+            fields: Any = L.BLOCK_DTYPE.fields
+            native.set_chunks(self.layout.num_chunks, fields["gen"][1], L.C_TOKENS)
+            return native, NativeOps(native, self.c, self.t_claim)
+        if getattr(native, "alloc", None) is not None:
             # a _hot built for an older layout: the same mutex through ctypes,
             # and the fused ops in Python
             native.release()
             native = open_hot(self.mm, self.layout, self.created_at, accelerated=False)
-        return native
+        return native, ReferenceOps(self.c, self.t_claim)
 
     # ------------------------------------------------------------------ setup
     @classmethod
@@ -332,7 +337,8 @@ class Pool(SlotOps, MappedViews):
         self.seed = bytes(h[0]["seed"])
         self.native.init_mutex()
         self.native.release()       # again, now that created_at is known
-        self.native = self.lock.native = self._open_native()
+        self.native, self.ops = self._open_native()
+        self.lock.native = self.native
         n = lay.max_blocks
         b = self.blocks
         ids = np.arange(n + 2, dtype=np.int32)
@@ -366,11 +372,7 @@ class Pool(SlotOps, MappedViews):
         """The seed's token counter (C_TOKENS) += n: an atomic add where the
         C accelerator is, since appends without the lock add to it too
         (claims.py); a plain one in a pure process (none run then)."""
-        add = getattr(self.native, "add_counter", None)
-        if add is not None:
-            add(L.C_TOKENS, int(n))
-        else:
-            self.c[L.C_TOKENS] += n
+        self.ops.add_counter(L.C_TOKENS, int(n))
 
     # ------------------------------------------------------------------ slots
     def _take_slot(self) -> None:

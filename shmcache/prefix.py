@@ -79,11 +79,11 @@ class PrefixCache:
             parent = self.ledger.hashes(token_ids, num_cached_blocks, extra_keys)[-1]
         hashes = self.ledger.hashes(token_ids, num_full_blocks, extra_keys, parent, num_cached_blocks)
         p = self.pool
-        fused = getattr(p.native, "publish", None)
+        fused = p.ops.publish
         # C (_hot.publish): the hold below in one call that takes the lock
         # itself; None: nothing changed, and the hold below runs (and raises
         # for a block that is not held)
-        if (fused is not None and not p.lock.unusable and not p.lock.held
+        if (not p.lock.unusable and not p.lock.held
                 and fused(ids[num_cached_blocks:], b"".join(hashes), self.block_size, p.slot,
                           self.holder.epoch) is not None):
             return
@@ -99,8 +99,7 @@ class PrefixCache:
     def _lookup_chain(self, hashes) -> list:
         """Blocks of the longest cached run of ``hashes`` from the first (lock
         held); not counted yet (``_count_lookup``)."""
-        fc = getattr(self.pool.native, "find_chain", None)
-        found = fc(hashes) if fc is not None else None
+        found = self.pool.ops.find_chain(hashes)
         if found is None:       # (no C, or it refused: the probes here raise)
             found = self.ledger.index.find_chain(hashes)
         return found
@@ -125,11 +124,11 @@ class PrefixCache:
             return [], 0
         hashes = self.ledger.hashes(token_ids, len(token_ids) // self.block_size, extra_keys)
         p = self.pool
-        fused = getattr(p.native, "lookup", None)
+        fused = p.ops.lookup
         # C (_hot.lookup): the hold below in one call that takes the lock
         # itself; None: nothing changed, and the hold below runs
         found = (fused(b"".join(hashes), -1.0, p.slot, self.holder.epoch)
-                 if fused is not None and not p.lock.unusable and not p.lock.held else None)
+                 if not p.lock.unusable and not p.lock.held else None)
         if found is None:
             with p.lock:
                 self.ledger.sync()
@@ -168,11 +167,11 @@ class PrefixCache:
         bs = self.block_size
         hashes = self.ledger.hashes(token_ids, len(token_ids) // bs, extra_keys)
         p = self.pool
-        fused = getattr(p.native, "acquire", None)
+        fused = p.ops.acquire
         # C (_hot.acquire): the table branch below in one call that takes the
         # lock itself (as tables.prepare_append's); None: nothing changed
         rec = table.record_in(p) if type(table) is SharedBlockTable else None
-        if (rec is not None and fused is not None and not p.lock.unusable
+        if (rec is not None and not p.lock.unusable
                 and not p.lock.held):
             found = fused(rec[0], rec[1], b"".join(hashes), p.now(), bs, p.slot,
                           self.holder.epoch)
@@ -191,10 +190,9 @@ class PrefixCache:
                 t = self.tables.table_index(table)
                 found = self._lookup_chain(hashes)
                 now = p.now()
-                take = getattr(p.native, "table_take", None) if found else None
                 # C (_hot.table_take): the steps below in one call; None:
                 # nothing changed, and they run here (raising for what it refused)
-                if take is not None and take(t, found, now, bs * len(found)) is not None:
+                if found and p.ops.table_take(t, found, now, bs * len(found)) is not None:
                     self._count_lookup(found, hashes)
                     return [SharedBlock(self.ledger, b) for b in found], len(found) * bs
                 self.holder.refs.need_table(t, len(found))
@@ -225,10 +223,10 @@ class PrefixCache:
         """The cached block whose prefix is exactly ``tokens`` (from position 0)."""
         hashes = self._chunk_hashes(tokens)         # (a pure function: before the lock)
         p = self.pool
-        fused = getattr(p.native, "lookup", None)
+        fused = p.ops.lookup
         # C (_hot.lookup of the last hash): the hold below in one call that
         # takes the lock itself; None: nothing changed, and the hold runs
-        if hashes and fused is not None and not p.lock.unusable and not p.lock.held:
+        if hashes and not p.lock.unusable and not p.lock.held:
             found = fused(hashes[-1], p.now(), p.slot, self.holder.epoch)
             if found is not None:
                 return SharedBlock(self.ledger, found[0]) if found else None

@@ -143,6 +143,7 @@ class SlotOps:
     slots: Any
     c: Any
     native: Any
+    ops: Any            # hot_ops: the C accelerator's operations or the Python reference
     lock: Any
     _forked: bool
     _stuck_word: Optional[Tuple[int, float]]     # (lock word, when first seen) while it stays
@@ -192,7 +193,7 @@ class SlotOps:
                 sl["loose_head"] = -1
                 sl["loose_count"] = 0
                 sl["reserved"] = 0
-                claims.attach_pure(self, int(s), not hasattr(self.native, "claim_table"))
+                claims.attach_pure(self, int(s), not self.ops.native)
                 sl["state"] = 1
                 self.slot = self.lock.slot = int(s)
                 return

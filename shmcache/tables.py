@@ -250,10 +250,10 @@ class BlockTables:
         """
         key = rid_key(request_id)           # (hashed before the lock)
         p = self.pool
-        fused = getattr(p.native, "new_table", None)
+        fused = p.ops.new_table
         # C (_hot.new_table): the table made in a hold the C op takes itself;
         # None: nothing changed, and the path below makes it or raises
-        if fused is not None and not p.lock.unusable and not p.lock.held:
+        if not p.lock.unusable and not p.lock.held:
             t = fused(key[0], key[1], p.slot, self.holder.epoch)
             if t is not None:
                 self.holder.tcache[t] = (key[1], None, {})
@@ -261,10 +261,10 @@ class BlockTables:
                 return SharedBlockTable(self, t, request_id, key[1])
         with self.pool.lock:
             self.ledger.sync()
-            new = getattr(self.pool.native, "table_new", None)
+            new = self.pool.ops.table_new
             # C (_hot.table_new): _new_table's steps; None: nothing changed,
             # and _new_table raises for what it refused
-            t = new(key[0], key[1], self.pool.slot) if new is not None else None
+            t = new(key[0], key[1], self.pool.slot)
             if t is None:
                 t = self.new_table(request_id, key)
             else:
@@ -292,11 +292,11 @@ class BlockTables:
             KeyError: no table for ``request_id``.
         """
         p = self.pool
-        fused = getattr(p.native, "delete_table", None)
+        fused = p.ops.delete_table
         # C (_hot.delete_table): the steps below in a hold the C op takes
         # itself; by request id only (a table view names one table record,
         # which the path below checks); None: nothing changed
-        if fused is not None and type(request_id) is str and not p.lock.unusable \
+        if type(request_id) is str and not p.lock.unusable \
                 and not p.lock.held:
             raw, h = rid_key(request_id)
             t = fused(raw, h, p.slot, self.holder.epoch)
@@ -309,11 +309,11 @@ class BlockTables:
             t = self.table_index(request_id)
             self.holder.tcache.pop(t, None)
             self.holder.chains.forget(t)
-            drop = getattr(p.native, "table_drop", None)
+            drop = p.ops.table_drop
             # C (_hot.table_drop): the same steps but the index removal,
             # which follows in this hold; None: nothing changed, and the
             # Python path below meets (and raises for) what it refused
-            if drop is not None and drop(t) is not None:
+            if drop(t) is not None:
                 p.tindex.remove(t, int(p.t_rhash[t]))
                 return
             unlink_table(p, t)
@@ -332,13 +332,13 @@ class BlockTables:
                 OutOfBlocksError): no room for the reference.
         """
         p = self.pool
-        fused = getattr(p.native, "add_block", None)
+        fused = p.ops.add_block
         # C (_hot.add_block): a new reference's case (this manager holds
         # none loose on the block: a loose one moves, below) in one hold the
         # C op takes itself; None: nothing changed, and the path below runs
         # (and raises for what it refused). Not inside a hold of this process.
         rec = table.record_in(p) if type(table) is SharedBlockTable else None
-        if (fused is not None and rec is not None
+        if (rec is not None
                 and type(tokens_in_block) is int and not p.lock.unusable and not p.lock.held):
             b = (block.block_id if type(block) is SharedBlock and block.ledger is self.ledger
                  else block)
@@ -446,13 +446,13 @@ class BlockTables:
         if isinstance(num_new_tokens, bool) or not isinstance(num_new_tokens, int) or num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be a non-negative int, got {num_new_tokens!r}")
         p = self.pool
-        fused = getattr(p.native, "append", None)
+        fused = p.ops.append
         # C (_hot.append): the common case in one call that takes the lock
         # itself, so the hold is the C op's alone (not this method's Python
         # too); None: nothing changed, and the path below runs. Not inside a
         # hold of this process (the mutex is not reentrant; the path below is)
         rec = table.record_in(p) if type(table) is SharedBlockTable else None
-        if (fused is not None and num_new_tokens and not p.lock.unusable and not p.lock.held
+        if (num_new_tokens and not p.lock.unusable and not p.lock.held
                 and rec is not None):
             ids = fused(rec[0], rec[1], num_new_tokens, self.block_size, p.now(),
                         p.slot, self.holder.epoch)
@@ -461,11 +461,11 @@ class BlockTables:
         with self.pool.lock:
             self.ledger.sync()
             t = self.table_index(table)
-            append = getattr(p.native, "table_append", None)
+            append = p.ops.table_append
             # C (_hot.table_append): the common case (no copy-on-write, free
             # blocks uncached) in one call; None: nothing changed, and the
             # Python path below does it (or raises for what it refused)
-            if append is not None and num_new_tokens:
+            if num_new_tokens:
                 ids = append(t, num_new_tokens, self.block_size, p.now())
                 if ids is not None:
                     return [SharedBlock(self.ledger, b) for b in ids]

@@ -216,12 +216,12 @@ class SharedBlockTable(BlockTable):
     def block_ids(self) -> list:  # type: ignore[override]  # (the dataclass field, live)
         m = self._m
         p = m.pool
-        fused = getattr(p.native, "table_ids", None)
+        fused = p.ops.table_ids
         # C (_hot.table_ids): the read under the table's claim with no lock,
         # or in a hold of the C call's own, never one that runs Python (the
         # serving path reads it once a request); None: the path below reads
         # it, or says what is wrong
-        if fused is not None and not p.lock.unusable and not p.lock.held:
+        if not p.lock.unusable and not p.lock.held:
             ids = fused(self._t, self._rh, p.slot, m.holder.epoch)
             if ids is not None:
                 return TableBlockIds(self, ids)

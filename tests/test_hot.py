@@ -198,3 +198,37 @@ def test_alloc_checks_the_count_before_sizing_anything():
         assert m.check() == []
     finally:
         m.close()
+
+
+@pytest.mark.parametrize("pure", [False, True], ids=["native", "SHMCACHE_PURE"])
+def test_the_hot_operations_are_chosen_once_at_attach(pure):
+    """pool.ops is the C accelerator's (NativeOps) where _hot is built, and
+    the Python reference (ReferenceOps) with SHMCACHE_PURE=1, whose fused
+    operations all answer None (the callers' Python paths run)."""
+    if not pure and not shlock.ACCELERATED:
+        pytest.skip("the C accelerator is not built")
+    code = textwrap.dedent("""
+        import shmcache
+        from shmcache import hot_ops
+        m = shmcache.PagedCacheManager(block_size=4, max_blocks=16)
+        ops = m.pool.ops
+        print(type(ops).__name__, ops.native)
+        if not ops.native:
+            assert not any(n in vars(ops) for n in hot_ops.OPERATIONS)   # the class's own
+            assert ops.alloc(1, m.pool.slot, 0, None) is None
+        else:
+            assert ops.hot is m.pool.native       # each op the compiled object's method
+            assert all(n in vars(ops) for n in hot_ops.OPERATIONS)
+        ids = [b.block_id for b in m.get_new_blocks(3)]
+        m.free_block_batch(ids)
+        assert m.free_blocks == 15 and m.check() == []
+        m.close()
+    """)
+    env = dict(os.environ)
+    env.pop("SHMCACHE_PURE", None)
+    if pure:
+        env["SHMCACHE_PURE"] = "1"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == (["ReferenceOps", "False"] if pure else ["NativeOps", "True"])

@@ -16,6 +16,7 @@ import pytest
 import shmcache
 from shmcache import layout as L
 from shmcache import lock as shlock
+from shmcache.hot_ops import NativeOps
 
 from _mutex import python_only
 from test_hot_tables import _Counted, _shared_state, assert_unchanged_but_the_lock
@@ -124,7 +125,7 @@ def test_the_c_allocations_evict_cached_free_blocks_as_the_python_path_does():
         b.internals.ledger.root = a.internals.ledger.root                        # same chain hashes in both
         for m in (a, b):
             _all_cached_and_free(m)
-        a.pool.native = a.pool.lock.native = _Counted(a.pool.native, calls)
+        a.pool.ops = NativeOps(_Counted(a.pool.native, calls), a.pool.c, a.pool.t_claim)
         ev = int(a.pool.c[L.C_EVICTIONS])
         got = [[x.block_id for x in m.get_new_blocks(3)] for m in (a, b)]
         assert got[0] == got[1] and calls["alloc"] == 1

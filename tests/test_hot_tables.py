@@ -14,10 +14,11 @@ import pytest
 import shmcache
 from shmcache import layout as L
 from shmcache import lock as shlock
+from shmcache.hot_ops import NativeOps
 from shmcache.refs import rid_key
 
 from _helpers import LOCK_COUNTERS
-from _mutex import PythonOnly
+from _mutex import python_only
 
 
 # ------------------------------------------- the table ops: C against Python
@@ -137,11 +138,11 @@ def test_the_c_table_ops_leave_the_same_state_as_the_python_ones(max_blocks):
     kw = dict(block_size=4, max_blocks=max_blocks, max_tables=16)
     a = shmcache.PagedCacheManager(**kw)
     b = shmcache.PagedCacheManager(**kw)
-    b.pool.native = b.pool.lock.native = PythonOnly(b.pool.native)
+    python_only(b)
     calls = {"table_new": 0, "table_drop": 0, "table_take": 0, "table_append": 0,
              "append": 0, "acquire": 0, "new_table": 0, "delete_table": 0, "find_chain": 0,
              "publish": 0, "add_block": 0, "lookup": 0}
-    a.pool.native = a.pool.lock.native = _Counted(a.pool.native, calls)
+    a.pool.ops = NativeOps(_Counted(a.pool.native, calls), a.pool.c, a.pool.t_claim)
     try:
         b.internals.ledger.root = a.internals.ledger.root                        # same chain hashes in both
         for seed in range(6):
@@ -219,9 +220,9 @@ def test_c_append_into_blocks_before_the_tail_chunk_matches_python():
     append, which takes the lock itself) walks the chain."""
     a = shmcache.PagedCacheManager(block_size=4, max_blocks=64)
     b = shmcache.PagedCacheManager(block_size=4, max_blocks=64)
-    b.pool.native = b.pool.lock.native = PythonOnly(b.pool.native)
+    python_only(b)
     calls = {"append": 0}
-    a.pool.native = a.pool.lock.native = _Counted(a.pool.native, calls)
+    a.pool.ops = NativeOps(_Counted(a.pool.native, calls), a.pool.c, a.pool.t_claim)
     try:
         b.internals.ledger.root = a.internals.ledger.root
         for m in (a, b):

@@ -35,7 +35,7 @@ LAYERS = [
     ("leaves", "errors platform_linux loosemap table_chains _hot _mlxbuf"),
     ("platform seam, byte map, BLAS binding",
      "platform layout blas blas_elf blas_find blas_load"),
-    ("segment file, pool lock", "segment lock"),
+    ("segment file, pool lock, the hot operations", "segment lock hot_ops"),
     ("shared structures", "blocks freelist index chunks refs claims slots"),
     ("one mapped pool, recovery, reclaim, this process's holder, reserves, the read-only view",
      "pool recovery reclaim holder reserve inspect_pool"),

@@ -20,6 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from shmcache.errors import OutOfBlocksError
 
+from _mutex import python_only
 from _pool_model import BS, EXTRAS, N, PROMPTS, RIDS, PoolModel
 
 
@@ -274,7 +275,20 @@ class PoolMachine(PoolModel, RuleBasedStateMachine):
         assert self.m.check() == []
 
 
-PoolMachine.TestCase.settings = settings(
+class ReferenceOpsMachine(PoolMachine):
+    """The same rules with the pool's Python reference operations
+    (``hot_ops.ReferenceOps``) where the C accelerator runs in PoolMachine
+    (with ``SHMCACHE_PURE=1`` both run the reference)."""
+
+    def __init__(self):
+        super().__init__()
+        python_only(self.m)
+
+
+_SETTINGS = settings(
     max_examples=50, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+PoolMachine.TestCase.settings = _SETTINGS
+ReferenceOpsMachine.TestCase.settings = _SETTINGS
 TestPoolAgainstModel = pytest.mark.timeout(300)(PoolMachine.TestCase)
+TestReferenceOpsAgainstModel = pytest.mark.timeout(300)(ReferenceOpsMachine.TestCase)

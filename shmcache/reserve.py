@@ -10,7 +10,7 @@ in the slot's ``reserved`` and as free. This module is the rest, always with
 the pool lock held:
 
 - a reserve gives its blocks up when the free list runs short
-  (``Reserves.take_from_reserves``, from ``PoolOps._ensure_free``), when one of its
+  (``Reserves.take_from_reserves``, from ``BlockLedger.ensure_free``), when one of its
   blocks is referenced by id (``take_block``), or when it shrinks;
 - a slot that is released (its process closed or died) frees its reserve
   with the rest of its loose references (``reclaim.release_slot_holdings``

@@ -256,6 +256,11 @@ class BlockLedger:
 
     # ========================================================= block allocation
     def allocate_block(self) -> Optional[CacheBlock]:
+        """Allocate one block (ref_count 1, held by this manager).
+
+        Returns:
+            The block, or None when the pool has no free block.
+        """
         p = self.pool
         if not p.lock.unusable:
             ids = self.call_native(p.ops.alloc, 1)
@@ -275,6 +280,12 @@ class BlockLedger:
         return SharedBlock(self, b)
 
     def get_new_blocks(self, num_blocks: int) -> List[CacheBlock]:
+        """Allocate ``num_blocks`` blocks at once.
+
+        Raises:
+            OutOfBlocksError (a ValueError): not enough free blocks, or no
+                room for their references (CapacityError, a subclass).
+        """
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
             raise ValueError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
         p = self.pool
@@ -308,6 +319,15 @@ class BlockLedger:
             return True
 
     def free_block(self, block_id: int) -> bool:
+        """Drop one reference this manager holds (outside a table) to a block.
+
+        Returns:
+            True if the block became free, False if still referenced, if it
+            was not allocated (the seed's "unknown block"), or the null block.
+        Raises:
+            ValueError: out-of-range id, or a double free (this manager holds
+                no loose reference to an allocated block).
+        """
         p = self.pool
         if type(block_id) is int and not p.lock.unusable:
             freed = self.call_native(p.ops.free, (block_id,))
@@ -327,6 +347,12 @@ class BlockLedger:
             return free_loose(self.holder, self.free_queue, (b,)) == 1
 
     def free_block_batch(self, blocks) -> None:
+        """Free several blocks, in the given order (the seed's unreachable batch free).
+
+        Raises:
+            ValueError: the null block, an out-of-range id, or a block not held
+                (as many times as listed) by this manager; nothing is freed then.
+        """
         ids = self.bids(blocks)
         p = self.pool
         if not p.lock.unusable:
@@ -351,6 +377,7 @@ class BlockLedger:
                                  f"holds {held} loose references")
 
     def touch(self, blocks) -> None:
+        """Take a reference on each block (a cache hit), pulling free ones out of the queue."""
         ids = [self.bid(b) for b in blocks]
         with self.pool.lock:
             self.sync()
@@ -360,6 +387,7 @@ class BlockLedger:
                 self.take_ref(b)
 
     def increment_ref(self, block_id: int) -> bool:
+        """Take one more reference on an allocated block; False if it is free."""
         with self.pool.lock:
             self.sync()
             b = self.bid(block_id)
@@ -370,6 +398,14 @@ class BlockLedger:
             return True
 
     def evict_lru_blocks(self, num_blocks: int) -> int:
+        """Drop the prefix-cache entries of the ``num_blocks`` least recently
+        used free blocks, leaving the queue order as it is (the seed moves
+        them to the back; here uncached free blocks are reused first anyway).
+
+        Returns:
+            What the seed returns: the number of free blocks looked at,
+            ``min(num_blocks, free_blocks)``, cached or not.
+        """
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
             raise ValueError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
         p = self.pool
@@ -386,6 +422,7 @@ class BlockLedger:
             return len(lru)
 
     def handle_memory_pressure(self, requested_blocks: int) -> bool:
+        """Whether ``requested_blocks`` can be allocated (after reclaiming dead holders)."""
         with self.pool.lock:
             self.sync()
             return self.ensure_free(requested_blocks)
@@ -393,10 +430,27 @@ class BlockLedger:
     # ============================================================ free space
     @property
     def free_blocks(self) -> int:
-        """Free blocks, those in reserves included."""
+        """Number of free blocks (those in reserves too, see ``set_reserve``)."""
         return self.pool.c[L.C_NUM_FREE] + reserved_total(self.pool)
 
     def set_reserve(self, n: int) -> None:
+        """Keep up to ``n`` blocks this manager frees for its own next
+        allocations (0, the default: none).
+
+        ``free_block_batch``/``free_block`` of blocks this manager allocated
+        and holds alone (no tokens, not cached) put them in its reserve, and
+        ``get_new_blocks``/``allocate_block`` take them back, both without the
+        pool lock, so these calls scale with the number of processes.
+        Reserved blocks count as free (``free_blocks``, ``usage``,
+        ``get_stats``), and a process whose allocation finds the free list
+        short takes them, so a reserve never makes an allocation fail. A
+        process that exits or dies frees its reserve with its other
+        references. Without the C accelerator (``SHMCACHE_PURE=1``) this
+        does nothing.
+
+        Raises:
+            ValueError: ``n`` is not an int in [0, 1048576].
+        """
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 1 << 20:
             raise ValueError(f"reserve must be an int in [0, 1048576], got {n!r}")
         p = self.pool
@@ -408,5 +462,6 @@ class BlockLedger:
 
     @property
     def reserve_size(self) -> int:
+        """Blocks now in this manager's reserve."""
         p = self.pool
         return int(p.slots["reserved"][p.slot]) if p.slot >= 0 else 0

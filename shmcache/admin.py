@@ -2,28 +2,31 @@
 stats and resets, the shared counters layers above the pool add to, and
 shmcache's checks (``check``, ``reclaim_dead``, ``holdings``).
 
-``AdminOps`` is a mixin of ``PagedCacheManager`` (with ``TableOps``,
-``PrefixOps`` and ``KVOps``). Statistics are computed from the pool's
-shared state, so every process sees the same figures.
+``PoolAdmin`` is one owner of a ``PagedCacheManager``; its collaborator
+is the ``core.BlockLedger`` (through it the pool, the holder and the
+prefix index), given to its constructor. Statistics are computed from the
+pool's shared state, so every process sees the same figures.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List
+from typing import TYPE_CHECKING, Any, Dict, List
 
 import numpy as np
 
 from . import layout as L
 from . import recovery
-from .blocks import CacheStats
-from .core import PoolOps
+from .blocks import CacheStats, PoolStats
 from .reclaim import release_slot_holdings
+
+if TYPE_CHECKING:
+    from .core import BlockLedger
 
 logger = logging.getLogger("shmcache.paged_cache")
 
 
-class AdminOps(PoolOps):
+class PoolAdmin:
     """Statistics and operations on the whole pool.
 
     Invariant: the counters below index 16 are the pool's own and only the
@@ -31,12 +34,19 @@ class AdminOps(PoolOps):
     every process's additions sum.
     """
 
+    def __init__(self, ledger: "BlockLedger") -> None:
+        self.ledger = ledger
+        self.pool = ledger.pool
+        self.holder = ledger.holder
+        self.block_size = ledger.block_size
+        self.max_blocks = ledger.max_blocks
+
     # ---- the seed's statistics and resets, and the shared counters
     def get_stats(self) -> CacheStats:
         """A snapshot of the statistics (a ``PoolStats``: the seed's
         ``CacheStats`` and the pool's capacities), computed from the pool's
         state; ``total_tokens_cached`` is the seed's running count."""
-        return self._scan_stats()
+        return self.ledger.scan_stats()
 
     def get_memory_usage(self) -> Dict[str, Any]:
         s = self.get_stats()
@@ -46,9 +56,9 @@ class AdminOps(PoolOps):
                 "shared_blocks": s.shared_blocks, "total_tokens_cached": s.total_tokens_cached,
                 "utilization": s.allocated_blocks / self.max_blocks,
                 "cache_hit_rate": s.cache_hits / asked if asked else 0,
-                "metadata_bytes": self._p.layout.metadata_size,
-                "kv_bytes": self._p.layout.arena_size,
-                **{k: getattr(s, k) for k in s.CAPACITY}}
+                "metadata_bytes": self.pool.layout.metadata_size,
+                "kv_bytes": self.pool.layout.arena_size,
+                **{k: getattr(s, k) for k in PoolStats.CAPACITY}}
 
     def add_counters(self, deltas) -> None:
         """Add ``{counter index: delta}`` to the pool's shared counters, under the lock.
@@ -64,60 +74,55 @@ class AdminOps(PoolOps):
         for i, _ in items:
             if not 16 <= i < L.NUM_COUNTERS:
                 raise ValueError(f"counter index {i} is not one of 16..{L.NUM_COUNTERS - 1}")
-        with self._lock:
-            c = self._p.c
+        with self.pool.lock:
+            c = self.pool.c
             for i, d in items:
                 c[i] += d
 
     def l2_counters(self) -> Dict[str, int]:
         """The pool-wide L2 counters (``layout.L2_COUNTERS``), summed over every process."""
-        c = self._p.c
+        c = self.pool.c
         return {name: int(c[i]) for name, i in L.C_L2.items()}
 
     def reset_stats(self) -> None:
-        with self._p.lock:
+        with self.pool.lock:
             for c in (L.C_HITS, L.C_MISSES, L.C_COW, L.C_EVICTIONS):
-                self._p.c[c] = 0
-
-    def _uncache_all(self) -> None:
-        with self._p.lock:
-            for b in self._index.cached_ids():
-                self._index.remove(b)
+                self.pool.c[c] = 0
 
     def reset_prefix_cache(self) -> bool:
         """Drop the whole prefix cache; False (and nothing done) while blocks are in use."""
-        with self._p.lock:
-            self._sync()
-            used = self.max_blocks - self.free_blocks
+        with self.pool.lock:
+            self.ledger.sync()
+            used = self.max_blocks - self.ledger.free_blocks
             if used > 1:
                 logger.warning(f"Cannot reset cache: {used - 1} blocks in use")
                 return False
-            self._uncache_all()
-            self._drop_payloads()           # as the seed: every cache_data = None
+            self.ledger.uncache_all()
+            self.ledger.drop_payloads()           # as the seed: every cache_data = None
             for c in (L.C_HITS, L.C_MISSES, L.C_EVICTIONS):
-                self._p.c[c] = 0
+                self.pool.c[c] = 0
             return True
 
     def clear(self) -> None:
         """Release every reference every process holds and empty the cache."""
-        with self._p.lock:
-            self._sync()
-            p = self._p
+        with self.pool.lock:
+            self.ledger.sync()
+            p = self.pool
             for s in np.flatnonzero(p.slots["state"] == 1).tolist():
-                release_slot_holdings(p, self._refs, s)
-            self._uncache_all()
-            self._drop_payloads()
+                release_slot_holdings(p, self.holder.refs, s)
+            self.ledger.uncache_all()
+            self.ledger.drop_payloads()
             p.c[L.C_EPOCH] += 1
             self.reset_stats()
             p.c[L.C_TOKENS] = 0
-            self._sync()
+            self.ledger.sync()
 
     # ---- shmcache's own: the invariant check, dead holders, who holds what
     def check(self) -> List[str]:
         """Every violated invariant, one line each; empty when consistent."""
-        with self._p.lock:
-            self._p.check_usable()
-            return recovery.check(self._p)
+        with self.pool.lock:
+            self.pool.check_usable()
+            return recovery.check(self.pool)
 
     def reclaim_dead(self) -> int:
         """Release everything held by managers whose process died.
@@ -125,16 +130,16 @@ class AdminOps(PoolOps):
         Returns:
             The number of block references released.
         """
-        with self._p.lock:
-            self._sync()
-            p = self._p
+        with self.pool.lock:
+            self.ledger.sync()
+            p = self.pool
             n, p.reclaimed_in_repair = p.reclaimed_in_repair, 0
-            return n + self._reclaim_locked()
+            return n + self.ledger.reclaim_locked()
 
     def holdings(self) -> List[Dict[str, Any]]:
         """What each attached manager holds: slot, pid, alive, tables, blocks."""
-        with self._p.lock:
-            p = self._p
+        with self.pool.lock:
+            p = self.pool
             out = []
             for s in np.flatnonzero(p.slots["state"] == 1).tolist():
                 tabs = np.flatnonzero((p.tables["state"] == 1) & (p.tables["owner"] == s)).tolist()
@@ -146,3 +151,4 @@ class AdminOps(PoolOps):
                             "table_blocks": int(sum(p.t_len[t] for t in tabs)),
                             "loose_blocks": int(p.s_count[s]) - res, "reserved_blocks": res})
             return out
+

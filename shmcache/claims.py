@@ -35,11 +35,9 @@ CLAIM_STUCK_S = 1.0
 def _try(p, t: int) -> int:
     """One attempt at table ``t``'s claim: 0 taken, -1 this hold's already,
     else the holder (slot + 1) that kept it."""
-    nat = getattr(p.native, "claim_table", None)
-    if nat is not None:
-        r = nat(t)
-        if r is not None:
-            return r
+    r = p.ops.claim_table(t)
+    if r is not None:
+        return r
     v = int(p.t_claim[t])
     if v == 0:
         p.t_claim[t] = -1
@@ -108,12 +106,9 @@ def stuck_claims(claim_words, live_slot, wait: float = CLAIM_STUCK_S) -> list:
 def release(p) -> None:
     """Give back every claim this hold took (PoolLock's exit)."""
     lock = p.lock
-    unclaim = getattr(p.native, "unclaim_table", None)
+    unclaim = p.ops.unclaim_table
     for t in lock.claimed:
-        if unclaim is not None:
-            unclaim(t)
-        elif p.t_claim[t] == -1:
-            p.t_claim[t] = 0
+        unclaim(t)
     lock.claimed.clear()
 
 

@@ -242,7 +242,7 @@ def cmd_fsck(args) -> int:
         dirty = bool(v.c[L.C_DIRTY])
     mgr = shmcache.attach(args.name, timeout=1.0)
     try:
-        p = mgr._p
+        p = mgr.pool
         problems = mgr.check()
         if dirty:
             print(f"{args.name}: was marked dirty (a lock holder died mid-update); "

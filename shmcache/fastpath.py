@@ -3,7 +3,7 @@ loose references, and freeing a batch of them.
 
 ``_hot`` (``_native/hot_loose.h``) does each in one C call; this module
 says what that call must do, built from the same primitives every other
-operation uses (``core.PoolOps._pop_free``, ``refs.RefStore.add_loose`` /
+operation uses (``core.BlockLedger.pop_free``, ``refs.RefStore.add_loose`` /
 ``drop_loose``, ``reclaim.release_block``), and it is what runs with
 ``SHMCACHE_PURE=1``. tests/test_mutex.py and tests/test_hot.py compare the
 state both leave.

@@ -52,11 +52,11 @@ class OpenIndex:
         self.corrupt = corrupt
         self.name = name
 
-    def _bad_entry(self, e: int, i: int) -> Exception:
+    def bad_entry_error(self, e: int, i: int) -> Exception:
         return self.corrupt(f"{self.name} slot {i} holds {e}, not one of its {self.limit} "
                             "entries")
 
-    def _full(self) -> Exception:
+    def full_error(self) -> Exception:
         return self.corrupt(f"{self.name} has no empty slot (a probe went all the way round)")
 
     def find(self, key, home: int) -> int:
@@ -68,11 +68,11 @@ class OpenIndex:
             if e < 0:
                 return -1
             if e >= lim:
-                raise self._bad_entry(e, i)
+                raise self.bad_entry_error(e, i)
             if self.matches(e, key):
                 return e
             i = (i + 1) & m
-        raise self._full()
+        raise self.full_error()
 
     def find_all(self, key, home: int) -> list:
         s, m, lim = self.slots, self.mask, self.limit
@@ -83,11 +83,11 @@ class OpenIndex:
             if e < 0:
                 return out
             if e >= lim:
-                raise self._bad_entry(e, i)
+                raise self.bad_entry_error(e, i)
             if self.matches(e, key):
                 out.append(e)
             i = (i + 1) & m
-        raise self._full()
+        raise self.full_error()
 
     def insert(self, entry: int, home: int) -> None:
         s, m = self.slots, self.mask
@@ -97,7 +97,7 @@ class OpenIndex:
                 s[i] = entry
                 return
             i = (i + 1) & m
-        raise self._full()
+        raise self.full_error()
 
     def remove(self, entry: int, home: int) -> bool:
         s, m, lim = self.slots, self.mask, self.limit
@@ -110,7 +110,7 @@ class OpenIndex:
                 break
             i = (i + 1) & m
         else:
-            raise self._full()
+            raise self.full_error()
         j = i
         for _ in range(m + 1):
             j = (j + 1) & m
@@ -118,7 +118,7 @@ class OpenIndex:
             if e < 0:
                 break
             if e >= lim:
-                raise self._bad_entry(e, j)
+                raise self.bad_entry_error(e, j)
             k = self.home_of(e) & m
             # e may move back to i unless its home lies cyclically in (i, j]
             if (i < k <= j) if i <= j else (k > i or k <= j):
@@ -126,7 +126,7 @@ class OpenIndex:
             s[i] = e
             i = j
         else:
-            raise self._full()
+            raise self.full_error()
         s[i] = -1
         return True
 
@@ -184,12 +184,12 @@ class PrefixIndex:
                 if e < 0:
                     return found
                 if not 0 < e < n:           # (block 0 is never cached)
-                    raise ix._bad_entry(e, i)
+                    raise ix.bad_entry_error(e, i)
                 if raw[boff + e * isz: boff + e * isz + 16] == h:
                     break
                 i = (i + 1) & mask
             else:
-                raise ix._full()
+                raise ix.full_error()
             found.append(e)
         return found
 
@@ -220,7 +220,7 @@ class PrefixIndex:
                     break
                 i = (i + 1) & mask
             else:
-                raise ix._full()
+                raise ix.full_error()
             raw[boff + b * isz: boff + b * isz + 16] = h
             flags[b] |= FLAG_CACHED
             slots[i] = b

@@ -18,6 +18,7 @@ import contextlib
 import mmap
 import os
 import time
+from typing import Any
 
 import numpy as np
 import psutil
@@ -75,7 +76,7 @@ class PoolView:
         self.name = name
         self.path = segment.path_for(name)
         self.fd = segment.open_file(name, readonly_ok=True)
-        self.mm = None
+        self.mm: Any = None          # the metadata, mapped read-only once ready
         self._lock_mm = self._lock = None
         try:
             self._read_header(require_ready)
@@ -84,7 +85,7 @@ class PoolView:
             raise
 
     def _read_header(self, require_ready: bool) -> None:
-        self.layout = None
+        self.layout: Any = None      # the Layout once the header is ready (None before)
         self.ready = False
         self.creating = False
         try:

@@ -1,28 +1,38 @@
 """The manager's K/V payload operations: writing, reading and moving the
 K/V of the blocks it holds.
 
-``KVOps`` is a mixin of ``PagedCacheManager`` (with ``TableOps`` and
-``PrefixOps``); the arena itself and the copies are ``shmcache.kv``'s. These
+``KVArena`` is one owner of a ``PagedCacheManager``; its collaborator is
+the ``core.BlockLedger`` (which blocks this process holds), given to its
+constructor. The arena's bytes and the copies are ``shmcache.kv``'s. These
 calls are shmcache's own (the seed keeps a block's tensors in a Python
 object, ``cache_data``).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from . import kv
 from .blocks import BlockTable
-from .core import PoolOps
+
+if TYPE_CHECKING:
+    from .core import BlockLedger
 
 
-class KVOps(PoolOps):
-    """K/V writes, reads and whole-block copies for a manager.
+class KVArena:
+    """K/V writes, reads and whole-block copies for one process's manager.
 
     Invariant: a manager writes only the K/V of blocks it holds (loose or in
     a table it owns), checked before the write; the write itself, and every
     read, runs outside the lock.
     """
+
+    def __init__(self, ledger: "BlockLedger") -> None:
+        self.ledger = ledger
+        self.pool = ledger.pool
+        self.block_size = ledger.block_size
 
     def write_kv(self, block_id: int, layer: int, keys, values, start: int = 0) -> None:
         """Write K/V of shape (num_kv_heads, T, head_dim) into a block at ``start``.
@@ -35,8 +45,8 @@ class KVOps(PoolOps):
                 reference to (neither loose nor in a table it owns), or a bad
                 layer, shape or start. TypeError: a dtype that is not floating.
         """
-        b = self._bid(block_id)
-        p = self._p
+        b = self.ledger.bid(block_id)
+        p = self.pool
         kv.check_layer(p, layer)
         if b == 0:
             raise ValueError("cannot write K/V into the null block (block 0)")
@@ -44,10 +54,10 @@ class KVOps(PoolOps):
         # (the check needs no lock when what it knows is current: the write
         # itself is outside the lock either way, as is any use of a block
         # this manager holds)
-        if not self._holds_fast(b):
+        if not self.ledger.holds_fast(b):
             with p.lock:
-                self._sync()
-                if not self._holds(b):
+                self.ledger.sync()
+                if not self.ledger.holds(b):
                     raise ValueError(
                         f"block {b} is not held by this manager: allocate or acquire it, or "
                         "add it to one of its block tables, before writing its K/V")
@@ -68,7 +78,7 @@ class KVOps(PoolOps):
             ValueError: the null block, or a block this manager does not hold.
         """
         ids = self._checked_held(block_ids)
-        return self._p.arena[:, ids]
+        return self.pool.arena[:, ids]
 
     def import_blocks(self, block_ids, data) -> None:
         """Write whole blocks' K/V, the inverse of :meth:`export_blocks`.
@@ -83,7 +93,7 @@ class KVOps(PoolOps):
                 that is not the pool's.
         """
         ids = self._checked_held(block_ids)
-        a = self._p.arena
+        a = self.pool.arena
         data = np.asarray(data)
         want = (a.shape[0], len(ids)) + a.shape[2:]
         if data.shape != want or data.dtype != a.dtype:
@@ -92,17 +102,17 @@ class KVOps(PoolOps):
         a[:, ids] = data
 
     def _checked_held(self, block_ids) -> list:
-        ids = self._bids(block_ids)
-        p = self._p
+        ids = self.ledger.bids(block_ids)
+        p = self.pool
         p.check_usable()
         for b in ids:
             if b == 0:
                 raise ValueError("the null block (block 0) has no K/V")
-        if not all(self._holds_fast(b) for b in ids):
+        if not all(self.ledger.holds_fast(b) for b in ids):
             with p.lock:
-                self._sync()
+                self.ledger.sync()
                 for b in ids:
-                    if not self._holds(b):
+                    if not self.ledger.holds(b):
                         raise ValueError(f"block {b} is not held by this manager")
         return ids
 
@@ -132,8 +142,9 @@ class KVOps(PoolOps):
 
     def read_kv(self, block_ids, layer: int):
         """Gather blocks' K/V of one layer into MLX arrays (num_kv_heads, n*block_size, head_dim)."""
-        p = self._p
+        p = self.pool
         kv.check_layer(p, layer)
         p.check_usable()
         out = kv.read_fast(p, block_ids, layer)    # plain int ids, where built
-        return out if out is not None else kv.read(p, self._bids(block_ids), layer)
+        return out if out is not None else kv.read(p, self.ledger.bids(block_ids), layer)
+

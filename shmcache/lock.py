@@ -34,6 +34,7 @@ import os
 import threading
 import time
 import warnings
+from typing import Any
 
 from . import layout as L
 from .errors import CorruptPoolError, ShmCacheError
@@ -105,15 +106,16 @@ class PoolLock:
         self._c = counters
         self._on_dirty = on_dirty
         self._tlock = threading.RLock()
+        self._owner = 0             # the thread holding (or taking) _tlock, 0: none
         self._depth = 0
         self._keep_dirty = 0
-        self.check_usable = None    # raises once the owner is closed or forked
+        self.check_usable: Any = None    # raises once the owner is closed or forked
         self.unusable = False       # set with it, so the hot path tests a flag
         self.wait_log = None        # a list to append each slow-path wait (ns) to
         self.trace = False          # trace each hold in the native trace (bench_scale --trace)
-        self.claimed = []           # tables whose claim this hold took (claims.py)
-        self.release_claims = None  # gives them back (set by the pool)
-        self.on_stuck = None        # judges a lock word that names one live thread (the pool)
+        self.claimed: list = []     # tables whose claim this hold took (claims.py)
+        self.release_claims: Any = None  # gives them back (set by the pool)
+        self.on_stuck: Any = None   # judges a lock word that names one live thread (the pool)
         self._asked = self._locked = 0
 
     def __enter__(self):
@@ -121,6 +123,7 @@ class PoolLock:
         if self._depth:
             self._depth += 1
             return self
+        self._owner = threading.get_ident()
         try:
             if self.unusable:
                 # before the mutex: a closed manager's mapping may be gone,
@@ -133,6 +136,7 @@ class PoolLock:
             if self.trace:
                 self._locked = time.monotonic_ns()
         except BaseException:
+            self._owner = 0
             self._tlock.release()
             raise
         self._depth = 1
@@ -181,6 +185,7 @@ class PoolLock:
                     self.release_claims()
                 self._unlock()
             finally:
+                self._owner = 0
                 self._tlock.release()
             raise
         self._c[C_DIRTY] = 1
@@ -210,6 +215,7 @@ class PoolLock:
             finally:
                 if self.trace:
                     self.native.trace_hold(self._asked, self._locked, time.monotonic_ns())
+                self._owner = 0
                 self._tlock.release()
         return False
 
@@ -230,3 +236,17 @@ class PoolLock:
     @property
     def held(self) -> bool:
         return self._depth > 0
+
+    def owned_here(self) -> bool:
+        """Whether this thread holds the lock, or is taking it."""
+        return self._owner == threading.get_ident()
+
+    def keep_dirty(self) -> None:
+        """Leave the pool marked dirty when this hold ends (lock held): its
+        next holder repairs it."""
+        self._keep_dirty = 1
+
+    @property
+    def keeps_dirty(self) -> bool:
+        """Whether this hold leaves the pool marked dirty."""
+        return bool(self._keep_dirty)

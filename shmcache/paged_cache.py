@@ -13,12 +13,20 @@ runs unchanged) and the better behaviour lives in the calls added here
 ``free_block_batch``, ...); docs/seed_differences.md lists every
 deliberate difference and why.
 
-The class is assembled from mixins over ``core.PoolOps`` (the lock-held
-primitives): ``tables.TableOps`` (block tables), ``prefix.PrefixOps``
-(prefix caching), ``kv_ops.KVOps`` (the K/V payload) and ``admin.AdminOps``
-(statistics, resets, check and reclaim). This module keeps construction,
-block allocation and freeing, reference counts, eviction and the
-manager's lifetime.
+The manager is a facade: each call is one owner's method. The owners, each
+built over the ones before it and calling none above it:
+
+- ``holder.Holder``: this process's references, epoch, table maps and
+  cache_data; ``freelist.SharedFreeQueue``, ``index.PrefixIndex`` and
+  ``reserve.Reserves`` over the pool's shared structures;
+- ``core.BlockLedger``: block ids, references, allocation, freeing,
+  eviction and reserves;
+- ``tables.BlockTables``: block tables (forks, copy-on-write appends);
+- ``prefix.PrefixCache``: publishing and looking up prefixes;
+- ``kv_ops.KVArena``: the K/V of the blocks this process holds;
+- ``admin.PoolAdmin``: statistics, resets, check and reclaim.
+
+This module keeps their construction and the manager's lifetime.
 """
 
 from __future__ import annotations
@@ -27,35 +35,55 @@ import logging
 import os
 import secrets
 import weakref
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+
+import numpy as np
 
 from . import layout as L
 from . import reserve
-from .admin import AdminOps
+from .admin import PoolAdmin
 from .blocks import (BlockHash, BlockHashToBlockMap, BlockTable, CacheBlock, CacheStats,
                      FreeKVCacheBlockQueue, KVCacheBlock, compute_block_hash)
-from .errors import CapacityError, OutOfBlocksError
+from .core import BlockLedger
 from .freelist import SharedFreeQueue
 from .holder import Holder
 from .index import PrefixIndex
-from .fastpath import alloc_loose, free_loose
-from .kv_ops import KVOps
+from .kv_ops import KVArena
 from .pool import Pool
+from .prefix import PrefixCache
 from .reclaim import close as _close
-from .prefix import PrefixOps
-from .tables import TableOps
 from .seed_views import (AllocatedBlocksView, BlocksView, LegacyHashView, RequestTablesView,
                          SeedFreeQueue, SharedHashMap, SharedStats)
+from .tables import BlockTables
 from .views import SharedBlock
 
 logger = logging.getLogger(__name__)
+
+
+def _doc(owner_method):
+    """The facade's method says what its owner's does (one docstring, the owner's)."""
+    def same(fn):
+        fn.__doc__ = owner_method.__doc__
+        return fn
+    return same
 
 __all__ = ["BlockHash", "CacheBlock", "KVCacheBlock", "FreeKVCacheBlockQueue",
            "BlockHashToBlockMap", "BlockTable", "CacheStats", "PagedCacheManager",
            "compute_block_hash"]
 
 
-class PagedCacheManager(TableOps, PrefixOps, KVOps, AdminOps):
+class ManagerInternals(NamedTuple):
+    """A manager's owners (``PagedCacheManager.internals``): not API."""
+    pool: Pool
+    holder: Holder
+    ledger: BlockLedger
+    tables: BlockTables
+    prefix: PrefixCache
+    kv: KVArena
+    admin: PoolAdmin
+
+
+class PagedCacheManager:
     """Paged KV cache manager over a shared-memory block pool.
 
     ``PagedCacheManager(block_size, max_blocks, enable_caching)`` makes a
@@ -88,289 +116,274 @@ class PagedCacheManager(TableOps, PrefixOps, KVOps, AdminOps):
         self.block_size = lay.block_size
         self.max_blocks = lay.max_blocks
         self.enable_caching = lay.enable_caching
-        self._h = Holder(p)                     # this process's references, epoch, maps
-        self._fq = SharedFreeQueue(p)
-        self._reserves = reserve.Reserves(p, self._h, self._fq)
-        self._root = p.seed
-        self._index = PrefixIndex(p)
-        self._tindex = p.tindex
-        self._lock = p.lock
-        self.free_block_queue = SeedFreeQueue(self)
-        self.cached_block_hash_to_block = SharedHashMap(self)
-        self.hash_to_block = LegacyHashView(self)
-        self.request_tables = RequestTablesView(self)
-        self.allocated_blocks = AllocatedBlocksView(self)
-        self.blocks = BlocksView(self)
-        self.null_block = SharedBlock(self, 0)
-        self.stats = SharedStats(self)
-        self._finalizer = weakref.finalize(self, _close, p, self._refs, p.private, True)
+        self._lock = p.lock                     # the seed's attribute (an RLock there)
+        holder = Holder(p)                      # this process's references, epoch, maps
+        free_queue = SharedFreeQueue(p)
+        ledger = BlockLedger(p, holder, free_queue, PrefixIndex(p),
+                             reserve.Reserves(p, holder, free_queue))
+        tables = BlockTables(ledger)
+        self._ledger = ledger
+        self._tables = tables
+        self._prefix = PrefixCache(ledger, tables)
+        self._kv = KVArena(ledger)
+        self._admin = PoolAdmin(ledger)
+        self._internals = ManagerInternals(p, holder, ledger, tables, self._prefix, self._kv,
+                                           self._admin)
+        self.free_block_queue = SeedFreeQueue(ledger)
+        self.cached_block_hash_to_block = SharedHashMap(ledger)
+        self.hash_to_block = LegacyHashView(ledger)
+        self.request_tables = RequestTablesView(tables)
+        self.allocated_blocks = AllocatedBlocksView(ledger)
+        self.blocks = BlocksView(ledger)
+        self.null_block = SharedBlock(ledger, 0)
+        self.stats = SharedStats(ledger)
+        self._finalizer = weakref.finalize(self, _close, p, holder.refs, p.private, True)
 
-    # ========================================================= block allocation
+    # ---- blocks: core.BlockLedger
+    @_doc(BlockLedger.allocate_block)
     def allocate_block(self) -> Optional[CacheBlock]:
-        """Allocate one block (ref_count 1, held by this manager).
+        return self._ledger.allocate_block()
 
-        Returns:
-            The block, or None when the pool has no free block.
-        """
-        p = self._p
-        if p.native.alloc is not None and not p.lock.unusable:
-            ids = self._native(p.native.alloc, 1)
-            if ids is not None:
-                return SharedBlock(self, ids[0])
-        with p.lock:
-            self._sync()
-            if not self._ensure_free(1):
-                logger.warning("Out of cache blocks")
-                return None
-            try:
-                self._refs.need(1)
-            except CapacityError as e:
-                logger.warning("Out of cache blocks: %s", e)
-                return None
-            b = alloc_loose(self._h, self._pop_free, 1)[0]
-        return SharedBlock(self, b)
-
-    def _native(self, op, arg):
-        # The C fast path: it changes nothing and returns None whenever the
-        # lock is busy or anything needs the slow path (a stale or dirty
-        # view, cached blocks to evict, an error to raise).
-        p = self._p
-        try:
-            return op(arg, p.slot, self._epoch, self._refs.loose.buf)
-        except MemoryError:
-            with p.lock:
-                self._refs.resync()     # the op committed; the local map did not
-            raise
-
+    @_doc(BlockLedger.get_new_blocks)
     def get_new_blocks(self, num_blocks: int) -> List[CacheBlock]:
-        """Allocate ``num_blocks`` blocks at once.
+        return self._ledger.get_new_blocks(num_blocks)
 
-        Raises:
-            OutOfBlocksError (a ValueError): not enough free blocks, or no
-                room for their references (CapacityError, a subclass).
-        """
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
-            raise ValueError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
-        p = self._p
-        if num_blocks >= self.max_blocks:
-            # more than the pool has at all: refused before anything is sized by it
-            raise OutOfBlocksError(f"Cannot allocate {num_blocks} blocks, only "
-                                   f"{self._p.c[L.C_NUM_FREE]} available (the pool has "
-                                   f"{self.max_blocks - 1})")
-        if num_blocks and p.native.alloc is not None and not p.lock.unusable:
-            ids = self._native(p.native.alloc, num_blocks)
-            if ids is not None:
-                return [SharedBlock(self, b) for b in ids]
-        with p.lock:
-            self._sync()
-            if not self._ensure_free(num_blocks):
-                raise OutOfBlocksError(f"Cannot allocate {num_blocks} blocks, only "
-                                       f"{self._p.c[L.C_NUM_FREE]} available")
-            self._refs.need(num_blocks)
-            ids = alloc_loose(self._h, self._pop_free, num_blocks)
-        return [SharedBlock(self, b) for b in ids]
-
+    @_doc(BlockLedger.maybe_evict_cached_block)
     def _maybe_evict_cached_block(self, block: CacheBlock) -> bool:
-        with self._p.lock:
-            b = self._bid(block)
-            if not self._p.b_flags[b] & L.FLAG_CACHED:
-                return False
-            self._index.remove(b)
-            self._drop_payloads((b,))       # as the seed: cache_data = None
-            self._p.c[L.C_EVICTIONS] += 1
-            return True
+        return self._ledger.maybe_evict_cached_block(block)
 
+    @_doc(BlockLedger.free_block)
     def free_block(self, block_id: int) -> bool:
-        """Drop one reference this manager holds (outside a table) to a block.
+        return self._ledger.free_block(block_id)
 
-        Returns:
-            True if the block became free, False if still referenced, if it
-            was not allocated (the seed's "unknown block"), or the null block.
-        Raises:
-            ValueError: out-of-range id, or a double free (this manager holds
-                no loose reference to an allocated block).
-        """
-        p = self._p
-        if type(block_id) is int and p.native.free is not None and not p.lock.unusable:
-            freed = self._native(p.native.free, (block_id,))
-            if freed is not None:
-                return freed == 1
-        with p.lock:
-            self._sync()
-            b = self._bid(block_id)
-            if self._p.b_ref[b] <= 0:
-                logger.warning(f"Attempted to free unknown block: {b}")
-                return False
-            if b == 0:
-                return False
-            if not self._loose_held(b):
-                raise ValueError(f"double free of block {b}: this manager holds no reference "
-                                 "to it outside its block tables")
-            return free_loose(self._h, self._fq, (b,)) == 1
-
+    @_doc(BlockLedger.free_block_batch)
     def free_block_batch(self, blocks) -> None:
-        """Free several blocks, in the given order (the seed's unreachable batch free).
+        return self._ledger.free_block_batch(blocks)
 
-        Raises:
-            ValueError: the null block, an out-of-range id, or a block not held
-                (as many times as listed) by this manager; nothing is freed then.
-        """
-        ids = self._bids(blocks)
-        p = self._p
-        if p.native.free is not None and not p.lock.unusable:
-            if self._native(p.native.free, ids) is not None:
-                return
-        with p.lock:
-            self._sync()
-            if len(set(ids)) != len(ids) or not all(self._loose_held(b) for b in ids):
-                self._check_batch_free(ids)
-            free_loose(self._h, self._fq, ids)
-
-    def _check_batch_free(self, ids) -> None:
-        need: Dict[int, int] = {}
-        for b in ids:
-            if b == 0:
-                raise ValueError("cannot free the null block (block 0)")
-            need[b] = need.get(b, 0) + 1
-        for b, k in need.items():
-            held = self._loose_held(b)
-            if held < k:
-                raise ValueError(f"double free of block {b}: freed {k} times, this manager "
-                                 f"holds {held} loose references")
-
+    @_doc(BlockLedger.touch)
     def touch(self, blocks) -> None:
-        """Take a reference on each block (a cache hit), pulling free ones out of the queue."""
-        ids = [self._bid(b) for b in blocks]
-        with self._p.lock:
-            self._sync()
-            ids = [b for b in ids if b != 0]
-            self._refs.need(len(ids))
-            for b in ids:
-                self._take_ref(b)
+        return self._ledger.touch(blocks)
 
-    # ========================================================= reference counts
+    @_doc(BlockLedger.increment_ref)
     def increment_ref(self, block_id: int) -> bool:
-        """Take one more reference on an allocated block; False if it is free."""
-        with self._p.lock:
-            self._sync()
-            b = self._bid(block_id)
-            if self._p.b_ref[b] <= 0 or b == 0:
-                return False
-            self._refs.need(1)
-            self._take_ref(b)
-            return True
+        return self._ledger.increment_ref(block_id)
+
+    @_doc(BlockLedger.evict_lru_blocks)
+    def evict_lru_blocks(self, num_blocks: int) -> int:
+        return self._ledger.evict_lru_blocks(num_blocks)
+
+    @_doc(BlockLedger.handle_memory_pressure)
+    def handle_memory_pressure(self, requested_blocks: int) -> bool:
+        return self._ledger.handle_memory_pressure(requested_blocks)
+
+    @property
+    @_doc(BlockLedger.free_blocks)
+    def free_blocks(self) -> int:
+        return self._ledger.free_blocks
+
+    @_doc(BlockLedger.set_reserve)
+    def set_reserve(self, n: int) -> None:
+        return self._ledger.set_reserve(n)
+
+    @property
+    @_doc(BlockLedger.reserve_size)
+    def reserve_size(self) -> int:
+        return self._ledger.reserve_size
+
+    # ---- block tables: tables.BlockTables
+    @_doc(BlockTables.create_block_table)
+    def create_block_table(self, request_id: str) -> BlockTable:
+        return self._tables.create_block_table(request_id)
+
+    @_doc(BlockTables.get_block_table)
+    def get_block_table(self, request_id: str) -> Optional[BlockTable]:
+        return self._tables.get_block_table(request_id)
+
+    @_doc(BlockTables.get_or_create_block_table)
+    def get_or_create_block_table(self, request_id: str) -> BlockTable:
+        return self._tables.get_or_create_block_table(request_id)
+
+    @_doc(BlockTables.delete_block_table)
+    def delete_block_table(self, request_id: str) -> None:
+        return self._tables.delete_block_table(request_id)
+
+    @_doc(BlockTables.add_block_to_table)
+    def add_block_to_table(self, table: BlockTable, block: CacheBlock, tokens_in_block: int) -> None:
+        return self._tables.add_block_to_table(table, block, tokens_in_block)
+
+    @_doc(BlockTables.fork_block_table)
+    def fork_block_table(self, source_table: BlockTable, new_request_id: str) -> BlockTable:
+        return self._tables.fork_block_table(source_table, new_request_id)
+
+    @_doc(BlockTables.can_append)
+    def can_append(self, table: BlockTable, num_new_tokens: int) -> bool:
+        return self._tables.can_append(table, num_new_tokens)
+
+    @_doc(BlockTables.prepare_append)
+    def prepare_append(self, table: BlockTable, num_new_tokens: int) -> List[CacheBlock]:
+        return self._tables.prepare_append(table, num_new_tokens)
+
+    @_doc(BlockTables.trim_table)
+    def trim_table(self, table: BlockTable, num_tokens: int) -> int:
+        return self._tables.trim_table(table, num_tokens)
+
+    @_doc(BlockTables.get_blocks_for_generation)
+    def get_blocks_for_generation(self, table: BlockTable) -> Tuple[List[CacheBlock], bool]:
+        return self._tables.get_blocks_for_generation(table)
+
+    @_doc(BlockTables.cow_copy_block)
+    def _cow_copy_block(self, source_block: CacheBlock) -> Optional[CacheBlock]:
+        return self._tables.cow_copy_block(source_block)
+
+    @_doc(BlockTables.allocate_blocks_for_tokens)
+    def allocate_blocks_for_tokens(self, num_tokens: int) -> List[CacheBlock]:
+        return self._tables.allocate_blocks_for_tokens(num_tokens)
+
+    # ---- prefix cache: prefix.PrefixCache
+    @_doc(PrefixCache.get_cached_block)
+    def get_cached_block(self, block_hash: BlockHash) -> Optional[CacheBlock]:
+        return self._prefix.get_cached_block(block_hash)
+
+    @_doc(PrefixCache.cache_full_blocks)
+    def cache_full_blocks(self, blocks: List[CacheBlock], token_ids: List[int],
+                          num_cached_blocks: int, num_full_blocks: int,
+                          extra_keys: Optional[Tuple[Any, ...]] = None) -> None:
+        return self._prefix.cache_full_blocks(blocks, token_ids, num_cached_blocks, num_full_blocks, extra_keys)
+
+    @_doc(PrefixCache.get_computed_blocks)
+    def get_computed_blocks(self, token_ids: List[int],
+                            extra_keys: Optional[Tuple[Any, ...]] = None
+                            ) -> Tuple[List[CacheBlock], int]:
+        return self._prefix.get_computed_blocks(token_ids, extra_keys)
+
+    @_doc(PrefixCache.acquire_computed_blocks)
+    def acquire_computed_blocks(self, token_ids: List[int],
+                                extra_keys: Optional[Tuple[Any, ...]] = None,
+                                table: Optional[BlockTable] = None
+                                ) -> Tuple[List[CacheBlock], int]:
+        return self._prefix.acquire_computed_blocks(token_ids, extra_keys, table)
+
+    @_doc(PrefixCache.find_cached_block)
+    def find_cached_block(self, tokens: List[int]) -> Optional[CacheBlock]:
+        return self._prefix.find_cached_block(tokens)
+
+    @_doc(PrefixCache.register_block_hash)
+    def register_block_hash(self, block: CacheBlock, tokens: List[int]) -> None:
+        return self._prefix.register_block_hash(block, tokens)
+
+    @_doc(PrefixCache.find_shared_prefix)
+    def find_shared_prefix(self, tokens: List[int]) -> Tuple[List[int], List[int]]:
+        return self._prefix.find_shared_prefix(tokens)
+
+    # ---- K/V: kv_ops.KVArena
+    @_doc(KVArena.write_kv)
+    def write_kv(self, block_id: int, layer: int, keys, values, start: int = 0) -> None:
+        return self._kv.write_kv(block_id, layer, keys, values, start)
+
+    @_doc(KVArena.export_blocks)
+    def export_blocks(self, block_ids) -> np.ndarray:
+        return self._kv.export_blocks(block_ids)
+
+    @_doc(KVArena.import_blocks)
+    def import_blocks(self, block_ids, data) -> None:
+        return self._kv.import_blocks(block_ids, data)
+
+    @_doc(KVArena.append_kv)
+    def append_kv(self, table: BlockTable, layer: int, keys, values, start: int) -> None:
+        return self._kv.append_kv(table, layer, keys, values, start)
+
+    @_doc(KVArena.read_kv)
+    def read_kv(self, block_ids, layer: int):
+        return self._kv.read_kv(block_ids, layer)
+
+    # ---- statistics and checks: admin.PoolAdmin
+    @_doc(PoolAdmin.get_stats)
+    def get_stats(self) -> CacheStats:
+        return self._admin.get_stats()
+
+    @_doc(PoolAdmin.get_memory_usage)
+    def get_memory_usage(self) -> Dict[str, Any]:
+        return self._admin.get_memory_usage()
+
+    @_doc(PoolAdmin.add_counters)
+    def add_counters(self, deltas) -> None:
+        return self._admin.add_counters(deltas)
+
+    @_doc(PoolAdmin.l2_counters)
+    def l2_counters(self) -> Dict[str, int]:
+        return self._admin.l2_counters()
+
+    @_doc(PoolAdmin.reset_stats)
+    def reset_stats(self) -> None:
+        return self._admin.reset_stats()
+
+    @_doc(PoolAdmin.reset_prefix_cache)
+    def reset_prefix_cache(self) -> bool:
+        return self._admin.reset_prefix_cache()
+
+    @_doc(PoolAdmin.clear)
+    def clear(self) -> None:
+        return self._admin.clear()
+
+    @_doc(PoolAdmin.check)
+    def check(self) -> List[str]:
+        return self._admin.check()
+
+    @_doc(PoolAdmin.reclaim_dead)
+    def reclaim_dead(self) -> int:
+        return self._admin.reclaim_dead()
+
+    @_doc(PoolAdmin.holdings)
+    def holdings(self) -> List[Dict[str, Any]]:
+        return self._admin.holdings()
+
+    # ---- the seed's own, kept here
+    compute_block_hash = staticmethod(PrefixCache.compute_block_hash)
 
     def decrement_ref(self, block_id: int) -> bool:
         """Alias of ``free_block``."""
         return self.free_block(block_id)
-
-    # ================================================================ eviction
-    def evict_lru_blocks(self, num_blocks: int) -> int:
-        """Drop the prefix-cache entries of the ``num_blocks`` least recently
-        used free blocks, leaving the queue order as it is (the seed moves
-        them to the back; here uncached free blocks are reused first anyway).
-
-        Returns:
-            What the seed returns: the number of free blocks looked at,
-            ``min(num_blocks, free_blocks)``, cached or not.
-        """
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
-            raise ValueError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
-        with self._p.lock:
-            self._sync()
-            lru = self._fq.ids(limit=num_blocks)
-            for b in lru:
-                if self._p.b_flags[b] & L.FLAG_CACHED:
-                    self._index.remove(b)
-                    self._p.c[L.C_EVICTIONS] += 1
-            self._drop_payloads(lru)        # as the seed: cache_data = None
-            if lru:
-                logger.info(f"Evicted {len(lru)} LRU blocks from cache")
-            return len(lru)
-
-    def handle_memory_pressure(self, requested_blocks: int) -> bool:
-        """Whether ``requested_blocks`` can be allocated (after reclaiming dead holders)."""
-        with self._p.lock:
-            self._sync()
-            return self._ensure_free(requested_blocks)
-
-    # ============================================================ free space
-    # (on the class itself, not a mixin: the seed's fix, free_blocks a property
-    # of the manager, is checked on the class's own namespace)
-    @property
-    def free_blocks(self) -> int:
-        """Number of free blocks (those in reserves too, see ``set_reserve``)."""
-        return self._p.c[L.C_NUM_FREE] + reserve.reserved_total(self._p)
-
-    def _loose_held(self, b: int) -> int:
-        # loose references held, less the one of a block in this reserve (freed)
-        return self._h.loose_held(b)
-
-    def set_reserve(self, n: int) -> None:
-        """Keep up to ``n`` blocks this manager frees for its own next
-        allocations (0, the default: none).
-
-        ``free_block_batch``/``free_block`` of blocks this manager allocated
-        and holds alone (no tokens, not cached) put them in its reserve, and
-        ``get_new_blocks``/``allocate_block`` take them back, both without the
-        pool lock, so these calls scale with the number of processes.
-        Reserved blocks count as free (``free_blocks``, ``usage``,
-        ``get_stats``), and a process whose allocation finds the free list
-        short takes them, so a reserve never makes an allocation fail. A
-        process that exits or dies frees its reserve with its other
-        references. Without the C accelerator (``SHMCACHE_PURE=1``) this
-        does nothing.
-
-        Raises:
-            ValueError: ``n`` is not an int in [0, 1048576].
-        """
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 1 << 20:
-            raise ValueError(f"reserve must be an int in [0, 1048576], got {n!r}")
-        p = self._p
-        set_res = getattr(p.native, "set_reserve", None)
-        if set_res is None:
-            return
-        dropped = set_res(n)
-        if dropped:
-            with p.lock:
-                self._sync()
-                self._reserves.drain_own(dropped)
-
-    @property
-    def reserve_size(self) -> int:
-        """Blocks now in this manager's reserve."""
-        p = self._p
-        return int(p.slots["reserved"][p.slot]) if p.slot >= 0 else 0
 
     @property
     def usage(self) -> float:
         total = self.max_blocks - 1
         return 0.0 if total == 0 else 1.0 - self.free_blocks / total
 
-    # ================================================================ lifetime
+    # ================================================================ seams
     @property
     def pool(self) -> Pool:
         """The internal seam (not the seed's API): the ``Pool`` this manager
         works on, for ``/metrics`` and the CLI (``pool.gauges()``), tools and
         tests. Its arrays belong to the modules that own them (layout.py's
         byte map says which); code outside them reads the named accessors
-        (``gauges``, the counter properties). Tests may read ``_p``, the
-        same object, where they must."""
+        (``gauges``, the counter properties)."""
         return self._p
+
+    @property
+    def internals(self) -> ManagerInternals:
+        """The internal seam for tests and tools (not API, no stability
+        promised): this manager's owners, as built by ``__init__``: the
+        pool, this process's ``Holder`` (references, epoch, table maps),
+        the ``BlockLedger``, ``BlockTables``, ``PrefixCache``, ``KVArena``
+        and ``PoolAdmin``. Tests use it to reach the primitives and the C
+        fast paths' arguments (``internals.holder.epoch``); code in
+        shmcache/ calls the owners it was given instead."""
+        return self._internals
 
     @property
     def layout(self) -> L.Layout:
         return self._p.layout
 
+    # ================================================================ lifetime
     def close(self) -> None:
         """Detach, releasing every reference and table this manager holds."""
         self._finalizer.detach()
-        _close(self._p, self._refs, self._p.private)
+        _close(self._p, self._internals.holder.refs, self._p.private)
 
     def destroy(self) -> None:
         """Close, and unlink the pool if this manager created it."""
         self._finalizer.detach()
-        _close(self._p, self._refs, True)
+        _close(self._p, self._internals.holder.refs, True)
 
     def __enter__(self) -> "PagedCacheManager":
         return self

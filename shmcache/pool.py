@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, Tuple
 
 import numpy as np
 
@@ -22,6 +22,7 @@ from . import layout as L
 from . import claims, recovery, segment
 from .reclaim import reclaim_dead_slots
 from .reserve import reserved_total
+from .hot_ops import NativeOps, ReferenceOps
 from .index import OpenIndex
 from .errors import CorruptPoolError, PoolClosedError
 from .lock import PoolLock, open_hot
@@ -65,6 +66,13 @@ def prefix_hit_rate(hits: int, misses: int) -> float:
     return hits / (hits + misses) if hits + misses else 0.0
 
 
+def _words(a: Any) -> Any:
+    """A memoryview over a numpy array (typed Any: numpy's stubs do not say
+    an ndarray is a buffer, and typeshed's memoryview stores ints only,
+    where ``last_access`` holds floats)."""
+    return memoryview(a)
+
+
 class MappedViews:
     """The segment's structures as numpy arrays and memoryviews over one
     buffer (``map_views``): what ``Pool`` works on, and what a snapshot
@@ -80,6 +88,7 @@ class MappedViews:
     layout: L.Layout
     mm: Any
     corrupt: Any
+    arena: Any          # the K/V arena array, or None when not mapped
 
     def map_views(self, arena: bool = True) -> None:
         """Build the views over ``self.mm`` (the segment, or a private copy
@@ -89,44 +98,44 @@ class MappedViews:
         self.raw = memoryview(mm)
         self.header = np.frombuffer(mm, L.HEADER_DTYPE, 1, 0)
         self.counters = np.frombuffer(mm, np.int64, L.NUM_COUNTERS, lay.counters_off)
-        self.c = memoryview(self.counters)
+        self.c = _words(self.counters)
         self.slots = np.frombuffer(mm, L.SLOT_DTYPE, lay.max_slots, lay.slots_off)
         self.blocks = np.frombuffer(mm, L.BLOCK_DTYPE, lay.max_blocks + 2, lay.blocks_off)
         self.hidx = np.frombuffer(mm, np.int32, lay.hash_capacity, lay.hash_off)
         self.chunks = np.frombuffer(mm, L.CHUNK_DTYPE, lay.num_chunks, lay.refs_off)
         kw = np.frombuffer(mm, np.int32, lay.num_chunks * L.CHUNK_WORDS, lay.refs_off)
         self.kmat = kw.reshape(lay.num_chunks, L.CHUNK_WORDS)   # [chunk, 0]: link
-        self.kw = memoryview(kw)                               # the chunk area as words
+        self.kw = _words(kw)                               # the chunk area as words
         self.tables = np.frombuffer(mm, L.TABLE_DTYPE, lay.max_tables, lay.tables_off)
         self.tidx = np.frombuffer(mm, np.int32, lay.table_capacity, lay.tindex_off)
         b = self.blocks
-        self.b_ref = memoryview(b["ref_count"])
-        self.b_prev = memoryview(b["prev"])
-        self.b_next = memoryview(b["next"])
-        self.b_flags = memoryview(b["flags"])
-        self.b_tok = memoryview(b["token_count"])
-        self.b_last = memoryview(b["last_access"])
-        self.b_gen = memoryview(b["gen"])
+        self.b_ref = _words(b["ref_count"])
+        self.b_prev = _words(b["prev"])
+        self.b_next = _words(b["next"])
+        self.b_flags = _words(b["flags"])
+        self.b_tok = _words(b["token_count"])
+        self.b_last = _words(b["last_access"])
+        self.b_gen = _words(b["gen"])
         t = self.tables
-        self.t_state = memoryview(t["state"])
-        self.t_owner = memoryview(t["owner"])
-        self.t_head = memoryview(t["head"])
-        self.t_tail = memoryview(t["tail"])
-        self.t_len = memoryview(t["length"])
-        self.t_tok = memoryview(t["num_tokens"])
-        self.t_rhash = memoryview(t["rid_hash"])
-        self.t_claim = memoryview(t["claim"])
-        self.s_head = memoryview(self.slots["loose_head"])
-        self.s_count = memoryview(self.slots["loose_count"])
+        self.t_state = _words(t["state"])
+        self.t_owner = _words(t["owner"])
+        self.t_head = _words(t["head"])
+        self.t_tail = _words(t["tail"])
+        self.t_len = _words(t["length"])
+        self.t_tok = _words(t["num_tokens"])
+        self.t_rhash = _words(t["rid_hash"])
+        self.t_claim = _words(t["claim"])
+        self.s_head = _words(self.slots["loose_head"])
+        self.s_count = _words(self.slots["loose_count"])
         raw = self.raw
         boff = lay.blocks_off + L.BLOCK_HASH_OFF
         isz = L.BLOCK_DTYPE.itemsize
         self.hhome = lambda e: int.from_bytes(raw[boff + e * isz: boff + e * isz + 8], "little")
-        self.hindex = OpenIndex(memoryview(self.hidx), self.hhome,
+        self.hindex = OpenIndex(_words(self.hidx), self.hhome,
                                 lambda e, key: raw[boff + e * isz: boff + e * isz + 16] == key,
                                 lay.max_blocks, self.corrupt, "prefix index")
         rids, rhash = self.tables["request_id"], self.tables["rid_hash"]
-        self.tindex = OpenIndex(memoryview(self.tidx), lambda e: int(rhash[e]),
+        self.tindex = OpenIndex(_words(self.tidx), lambda e: int(rhash[e]),
                                 lambda e, key: rids[e] == key,
                                 lay.max_tables, self.corrupt, "table index")
         self.HEAD = lay.max_blocks
@@ -201,7 +210,7 @@ class Pool(SlotOps, MappedViews):
         self.live_fd = liveness_fd(fd)
         self.map_views()
         # the pool mutex and the fused operations (C, or ctypes + fastpath)
-        self.native = self._open_native()
+        self.native, self.ops = self._open_native()
         self.lock = PoolLock(self.native, self.c, self._on_dirty)
         self.lock.check_usable = self.check_usable
         self.lock.unusable = False
@@ -211,18 +220,22 @@ class Pool(SlotOps, MappedViews):
         self.reclaimed_in_repair = 0     # references released by repairs, not yet reported
         live_pools.add(self)       # (last: the fork handler needs a whole Pool)
 
-    def _open_native(self):
+    def _open_native(self) -> Tuple[Any, ReferenceOps]:
+        """The pool mutex and the hot operations, chosen here once: the C
+        accelerator's (``NativeOps``) where ``_hot`` is loaded and fits this
+        layout, else the Python reference (``ReferenceOps``)."""
         native = open_hot(self.mm, self.layout, self.created_at)
         if hasattr(native, "set_chunks"):
             # what the fused ops need beyond layout.hot_params: the chunk
             # count (they check every chunk id they read against it)
             native.set_chunks(self.layout.num_chunks)
-        elif getattr(native, "alloc", None) is not None:
+            return native, NativeOps(native, self.c, self.t_claim)
+        if getattr(native, "alloc", None) is not None:
             # a _hot built for an older layout: the same mutex through ctypes,
             # and the fused ops in Python
             native.release()
             native = open_hot(self.mm, self.layout, self.created_at, accelerated=False)
-        return native
+        return native, ReferenceOps(self.c, self.t_claim)
 
     # ------------------------------------------------------------------ setup
     @classmethod
@@ -322,7 +335,8 @@ class Pool(SlotOps, MappedViews):
         self.seed = bytes(h[0]["seed"])
         self.native.init_mutex()
         self.native.release()       # again, now that created_at is known
-        self.native = self.lock.native = self._open_native()
+        self.native, self.ops = self._open_native()
+        self.lock.native = self.native
         n = lay.max_blocks
         b = self.blocks
         ids = np.arange(n + 2, dtype=np.int32)
@@ -340,10 +354,10 @@ class Pool(SlotOps, MappedViews):
         b["flags"][0] = L.FLAG_NULL
         self.c[L.C_NUM_FREE] = n - 1
         # every chunk free: 0 -> 1 -> ... -> num_chunks-1, first ids -1
-        k = self.kmat
-        k[:, 0] = np.arange(1, lay.num_chunks + 1, dtype=np.int32)
-        k[-1, 0] = -1
-        k[:, 1] = -1
+        km = self.kmat
+        km[:, 0] = np.arange(1, lay.num_chunks + 1, dtype=np.int32)
+        km[-1, 0] = -1
+        km[:, 1] = -1
         self.c[L.C_HOLDER] = -1
         self.c[L.C_FREE_REF] = 0
         self.c[L.C_FREE_REFS] = lay.num_chunks
@@ -356,16 +370,12 @@ class Pool(SlotOps, MappedViews):
         """The seed's token counter (C_TOKENS) += n: an atomic add where the
         C accelerator is, since appends without the lock add to it too
         (claims.py); a plain one in a pure process (none run then)."""
-        add = getattr(self.native, "add_counter", None)
-        if add is not None:
-            add(L.C_TOKENS, int(n))
-        else:
-            self.c[L.C_TOKENS] += n
+        self.ops.add_counter(L.C_TOKENS, int(n))
 
     # ------------------------------------------------------------------ slots
     def _take_slot(self) -> None:
         with self.lock:
-            if not (self.slots["state"] == 0).any() and not self.lock._keep_dirty:
+            if not (self.slots["state"] == 0).any() and not self.lock.keeps_dirty:
                 # No free slot: release what dead holders left so their slots
                 # can be reused (a clean pool only; a dirty one waits for repair).
                 reclaim_dead_slots(self)
@@ -407,17 +417,17 @@ class Pool(SlotOps, MappedViews):
         """
         note = "its next lock holder rebuilds it"
         lock = self.lock
-        if lock.held and lock._tlock._is_owned() and not self._repairing:
+        if lock.held and lock.owned_here() and not self._repairing:
             try:
                 if self._on_dirty() is not False:
                     note = "its derived state was rebuilt from the reference lists; retry the call"
                 else:
-                    lock._keep_dirty = 1        # left dirty when the lock is released
+                    lock.keep_dirty()           # left dirty when the lock is released
             except Exception as e:          # the repair itself failed: leave it dirty
-                lock._keep_dirty = 1
+                lock.keep_dirty()
                 note = f"rebuilding it failed too ({type(e).__name__}: {e})"
-        elif lock.held and lock._tlock._is_owned():
-            lock._keep_dirty = 1                # found by the repair itself
+        elif lock.held and lock.owned_here():
+            lock.keep_dirty()                   # found by the repair itself
         return CorruptPoolError(f"pool {self.name!r} is corrupt: {what}; {note}")
 
     def check_usable(self) -> None:

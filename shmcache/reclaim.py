@@ -125,7 +125,7 @@ def _locked_here_through_another(p) -> bool:
     except OSError:
         return False
     for q in list(live_pools):
-        if q is p or q.closed or q._forked or not q.lock._tlock._is_owned():
+        if q is p or q.closed or q.forked or not q.lock.owned_here():
             continue
         try:
             sq = os.fstat(q.fd)
@@ -146,13 +146,13 @@ def close(p, refs: RefStore, destroy: bool, finalizing: bool = False) -> None:
     would: drops its liveness byte, and the next reclaim releases its
     holdings.
     """
-    as_dead = (finalizing and not (p.closed or p._forked)
+    as_dead = (finalizing and not (p.closed or p.forked)
                and _locked_here_through_another(p))
     if as_dead and p.slot >= 0:
         # Leave as a death would: drop the liveness byte now, and whoever
         # reclaims next releases what this manager held.
-        byte_unlock(p.live_fd, p._liveness_off(p.slot))
-    if p.closed or p._forked or as_dead:
+        byte_unlock(p.live_fd, p.liveness_offset(p.slot))
+    if p.closed or p.forked or as_dead:
         if destroy and p.creator and not p.private:
             from . import segment
             segment.unlink(p.name)
@@ -178,7 +178,7 @@ def close(p, refs: RefStore, destroy: bool, finalizing: bool = False) -> None:
         # a death would; whoever reclaims next releases what we held.
         if e.errno != errno.EDEADLK or p.slot < 0:
             raise
-        byte_unlock(p.live_fd, p._liveness_off(p.slot))
+        byte_unlock(p.live_fd, p.liveness_offset(p.slot))
     finally:
         if destroy and p.creator and not p.private:
             from . import segment

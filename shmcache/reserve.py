@@ -10,7 +10,7 @@ in the slot's ``reserved`` and as free. This module is the rest, always with
 the pool lock held:
 
 - a reserve gives its blocks up when the free list runs short
-  (``Reserves.take_from_reserves``, from ``PoolOps._ensure_free``), when one of its
+  (``Reserves.take_from_reserves``, from ``BlockLedger.ensure_free``), when one of its
   blocks is referenced by id (``take_block``), or when it shrinks;
 - a slot that is released (its process closed or died) frees its reserve
   with the rest of its loose references (``reclaim.release_slot_holdings``
@@ -59,9 +59,9 @@ class Reserves:
         """Take ``blocks`` out of ``slot``'s reserve and free them: the ones its
         owner did not take back first. Returns how many."""
         p, refs = self.pool, self.holder.refs
-        unstash = getattr(p.native, "unstash", None)
-        if unstash is None:
+        if not p.ops.native:
             return 0        # (SHMCACHE_PURE: no compare-and-swap; they stay reserved)
+        unstash = p.ops.unstash
         taken = [b for b in blocks if unstash(b, slot)]
         if not taken:
             return 0
@@ -81,7 +81,7 @@ class Reserves:
         """Free up to ``need`` blocks out of the reserves: this process's
         first, then the others'. Returns how many were freed."""
         p, refs = self.pool, self.holder.refs
-        if getattr(p.native, "unstash", None) is None:
+        if not p.ops.native:
             return 0
         got = 0
         slots = [p.slot] + [s for s in np.flatnonzero(p.slots["state"] == 1).tolist()

@@ -3,8 +3,10 @@
 ``PagedCacheManager`` exposes the seed's ``free_block_queue``,
 ``cached_block_hash_to_block``, ``hash_to_block``, ``request_tables``,
 ``allocated_blocks``, ``blocks`` and ``stats``; each is one of these live
-objects, reading (and, where the seed writes, writing) shared memory through
-the manager, so every process sees the same contents.
+objects, reading (and, where the seed writes, writing) shared memory
+through the manager's owner it is given: the ``core.BlockLedger`` (blocks,
+references, the prefix index), or for ``request_tables`` the
+``tables.BlockTables``. So every process sees the same contents.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from .views import SharedBlock
 
 
 class _View(Mapping):
-    def __init__(self, mgr) -> None:
-        self._m = mgr
+    def __init__(self, owner) -> None:
+        self._m = owner     # the BlockLedger (the BlockTables for RequestTablesView)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({dict(self.items())!r})"
@@ -33,19 +35,19 @@ class AllocatedBlocksView(_View):
 
     def __getitem__(self, block_id):
         m = self._m
-        if not isinstance(block_id, int) or not 0 <= block_id < m.max_blocks or m._p.b_ref[block_id] <= 0:
+        if not isinstance(block_id, int) or not 0 <= block_id < m.max_blocks or m.pool.b_ref[block_id] <= 0:
             raise KeyError(block_id)
         return SharedBlock(m, block_id)
 
     def __contains__(self, block_id) -> bool:
         m = self._m
-        return isinstance(block_id, int) and 0 <= block_id < m.max_blocks and m._p.b_ref[block_id] > 0
+        return isinstance(block_id, int) and 0 <= block_id < m.max_blocks and m.pool.b_ref[block_id] > 0
 
     def __iter__(self):
-        return iter(np.flatnonzero(self._m._p.blocks["ref_count"][: self._m.max_blocks] > 0).tolist())
+        return iter(np.flatnonzero(self._m.pool.blocks["ref_count"][: self._m.max_blocks] > 0).tolist())
 
     def __len__(self) -> int:
-        return int((self._m._p.blocks["ref_count"][: self._m.max_blocks] > 0).sum())
+        return int((self._m.pool.blocks["ref_count"][: self._m.max_blocks] > 0).sum())
 
 
 class RequestTablesView(_View):
@@ -61,10 +63,10 @@ class RequestTablesView(_View):
         return isinstance(rid, str) and self._m.get_block_table(rid) is not None
 
     def __iter__(self):
-        return iter(self._m._table_ids())
+        return iter(self._m.table_ids())
 
     def __len__(self) -> int:
-        return len(self._m._table_ids())
+        return len(self._m.table_ids())
 
 
 class LegacyHashView(_View):
@@ -80,7 +82,7 @@ class LegacyHashView(_View):
             h = bytes.fromhex(key)
         except (TypeError, ValueError):
             raise KeyError(key) from None
-        b = self._m._index.find(h)
+        b = self._m.index.find(h)
         if b < 0:
             raise KeyError(key)
         return b
@@ -89,50 +91,50 @@ class LegacyHashView(_View):
         m = self._m
         # several blocks may share a hash: each key once, as a Mapping must;
         # under the lock, so no block is uncached between flag and hash reads
-        with m._p.lock:
-            return iter(dict.fromkeys(m._index.hash_of(b).hex() for b in m._index.cached_ids()))
+        with m.pool.lock:
+            return iter(dict.fromkeys(m.index.hash_of(b).hex() for b in m.index.cached_ids()))
 
     def __len__(self) -> int:
         m = self._m
-        with m._p.lock:
-            return len({m._index.hash_of(b) for b in m._index.cached_ids()})
+        with m.pool.lock:
+            return len({m.index.hash_of(b) for b in m.index.cached_ids()})
 
 
 class SharedHashMap:
     """The seed's ``BlockHashToBlockMap`` over the pool's shared index."""
 
-    def __init__(self, mgr) -> None:
-        self._m = mgr
+    def __init__(self, ledger) -> None:
+        self._m = ledger
 
     def get_block(self, block_hash):
-        with self._m._p.lock:
-            b = self._m._index.find(bytes(block_hash))
+        with self._m.pool.lock:
+            b = self._m.index.find(bytes(block_hash))
         return SharedBlock(self._m, b) if b >= 0 else None
 
     def insert(self, block_hash, block) -> None:
-        self._m._set_block_hash(block.block_id, bytes(block_hash))
+        self._m.set_block_hash(block.block_id, bytes(block_hash))
 
     def pop(self, block_hash, block_id: int):
         m = self._m
-        with m._p.lock:            # check and drop as one step
-            if m._index.hash_of(m._bid(block_id)) != bytes(block_hash):
+        with m.pool.lock:            # check and drop as one step
+            if m.index.hash_of(m.bid(block_id)) != bytes(block_hash):
                 return None
-            m._set_block_hash(block_id, None)
+            m.set_block_hash(block_id, None)
         return SharedBlock(m, block_id)
 
     def __len__(self) -> int:
-        with self._m._p.lock:
-            return len({self._m._index.hash_of(b) for b in self._m._index.cached_ids()})
+        with self._m.pool.lock:
+            return len({self._m.index.hash_of(b) for b in self._m.index.cached_ids()})
 
     def clear(self) -> None:
-        self._m._uncache_all()
+        self._m.uncache_all()
 
 
 class BlocksView:
     """The seed's ``blocks`` list: ``blocks[i]`` is a live view of block i."""
 
-    def __init__(self, mgr) -> None:
-        self._m = mgr
+    def __init__(self, ledger) -> None:
+        self._m = ledger
 
     def __len__(self) -> int:
         return self._m.max_blocks
@@ -159,24 +161,24 @@ class SharedStats(CacheStats):
     """``CacheStats`` whose counters are the pool's shared counters and whose
     block figures are computed from a scan of the records on each read."""
 
-    def __init__(self, mgr) -> None:  # noqa
-        object.__setattr__(self, "_m", mgr)
+    def __init__(self, ledger) -> None:  # noqa
+        object.__setattr__(self, "_m", ledger)
 
     def __getattribute__(self, name):
         if name in _COUNTERS:
-            return object.__getattribute__(self, "_m")._p.c[_COUNTERS[name]]
+            return object.__getattribute__(self, "_m").pool.c[_COUNTERS[name]]
         if name in _DERIVED:
-            return getattr(object.__getattribute__(self, "_m")._scan_stats(), name)
+            return getattr(object.__getattribute__(self, "_m").scan_stats(), name)
         return object.__getattribute__(self, name)
 
     def __setattr__(self, name, value) -> None:
         if name in _COUNTERS:
-            self._m._p.c[_COUNTERS[name]] = int(value)
+            self._m.pool.c[_COUNTERS[name]] = int(value)
         else:
             raise AttributeError(f"{name} is derived from the pool's state and cannot be set")
 
     def __repr__(self) -> str:
-        return repr(self._m.get_stats()).replace("CacheStats", "SharedStats", 1)
+        return repr(self._m.scan_stats()).replace("CacheStats", "SharedStats", 1)
 
 
 class SeedFreeQueue(SharedFreeQueue):
@@ -194,9 +196,9 @@ class SeedFreeQueue(SharedFreeQueue):
       in a table, one already free, the null block.
     """
 
-    def __init__(self, mgr) -> None:
-        super().__init__(mgr._p)
-        self._m = mgr
+    def __init__(self, ledger) -> None:
+        super().__init__(ledger.pool)
+        self._m = ledger
 
     def _taken(self, ids: list) -> list:
         m = self._m
@@ -204,7 +206,7 @@ class SeedFreeQueue(SharedFreeQueue):
         for b in ids:
             p.b_ref[b] = 1
             p.b_last[b] = p.now()
-            m._refs.add_loose(b)
+            m.refs.add_loose(b)
         return [SharedBlock(m, b) for b in ids]
 
     def get_all_free_blocks(self) -> list:
@@ -213,27 +215,27 @@ class SeedFreeQueue(SharedFreeQueue):
 
     def popleft(self):
         with self.p.lock:
-            self._m._sync()
-            self._m._refs.need(1)
+            self._m.sync()
+            self._m.refs.need(1)
             return self._taken([self.popleft_id()])[0]
 
     def popleft_n(self, n: int) -> list:
         with self.p.lock:
-            self._m._sync()
+            self._m.sync()
             if n > self.num_free_blocks:
                 raise OutOfBlocksError(f"Need {n} blocks, have {self.num_free_blocks}")
-            self._m._refs.need(n)
+            self._m.refs.need(n)
             return self._taken([self.popleft_id() for _ in range(n)])
 
     def remove(self, block) -> None:
         m = self._m
         with self.p.lock:
-            m._sync()
-            b = m._bid(block)
+            m.sync()
+            b = m.bid(block)
             p = self.p
             if p.b_ref[b] != 0 or p.b_prev[b] < 0 or p.b_next[b] < 0:
                 raise RuntimeError(f"Block {b} not in free queue")
-            m._refs.need(1)
+            m.refs.need(1)
             self.remove_id(b)
             self._taken([b])
 
@@ -247,7 +249,7 @@ class SeedFreeQueue(SharedFreeQueue):
                 raise ValueError("the null block (block 0) never goes on the free queue")
             if p.b_ref[b] == 0:
                 raise ValueError(f"block {b} is already in the free queue")
-            if k > 1 or p.b_ref[b] != 1 or not m._refs.holds_loose(b):
+            if k > 1 or p.b_ref[b] != 1 or not m.refs.holds_loose(b):
                 raise ValueError(
                     f"block {b} is referenced (ref_count {p.b_ref[b]}) and not only by a "
                     "reference this manager holds outside its tables: it cannot go on the "
@@ -259,12 +261,12 @@ class SeedFreeQueue(SharedFreeQueue):
     def append_n(self, blocks) -> None:
         m = self._m
         with self.p.lock:
-            m._sync()
-            ids = [m._bid(b) for b in blocks]
+            m.sync()
+            ids = [m.bid(b) for b in blocks]
             self._check_put_back(ids)
             p = self.p
             for b in ids:
-                m._refs.drop_loose(b)
+                m.refs.drop_loose(b)
                 p.b_ref[b] = 0
                 p.add_tokens(-(p.b_tok[b]))
                 self.append_id(b)

@@ -23,7 +23,7 @@ import logging
 import os
 import time
 import weakref
-from typing import Any
+from typing import Any, Optional, Tuple
 
 import numpy as np
 import psutil
@@ -42,14 +42,7 @@ def _after_fork_in_child() -> None:
     # The child shares the parent's open file descriptions, so its liveness
     # byte would be the parent's. It must attach() on its own.
     for p in list(live_pools):
-        p._forked = True
-        p.lock.unusable = True
-        if p.live_fd >= 0 and p.live_fd != p.fd:
-            # Drop the child's reference to the liveness description, so the
-            # parent's death is seen even while this child lives (closing
-            # never unlocks: the parent still holds the description).
-            os.close(p.live_fd)
-        p.live_fd = -1
+        p.after_fork_in_child()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -150,15 +143,35 @@ class SlotOps:
     slots: Any
     c: Any
     native: Any
+    ops: Any            # hot_ops: the C accelerator's operations or the Python reference
     lock: Any
+    _forked: bool
+    _stuck_word: Optional[Tuple[int, float]]     # (lock word, when first seen) while it stays
 
-    def _liveness_off(self, slot: int) -> int:
+    @property
+    def forked(self) -> bool:
+        """Whether this mapping was inherited by a forked child (which has no
+        slot of its own: it must attach on its own)."""
+        return self._forked
+
+    def after_fork_in_child(self) -> None:
+        """This process is a forked child: the mapping is no longer usable."""
+        self._forked = True
+        self.lock.unusable = True
+        if self.live_fd >= 0 and self.live_fd != self.fd:
+            # Drop the child's reference to the liveness description, so the
+            # parent's death is seen even while this child lives (closing
+            # never unlocks: the parent still holds the description).
+            os.close(self.live_fd)
+        self.live_fd = -1
+
+    def liveness_offset(self, slot: int) -> int:
         return L.LIVENESS_OFF + slot
 
     def slot_alive(self, slot: int) -> bool:
         if slot == self.slot:
             return True
-        return byte_held_by_other(self.fd, self._liveness_off(slot))
+        return byte_held_by_other(self.fd, self.liveness_offset(slot))
 
     def dead_slots(self) -> list:
         st = self.slots["state"]
@@ -172,7 +185,7 @@ class SlotOps:
                 # a dead holder's slot: reused only once reclaimed (by the
                 # caller, or by the next reclaim), never with its references in it
                 continue
-            if byte_lock(self.live_fd, self._liveness_off(s)):
+            if byte_lock(self.live_fd, self.liveness_offset(s)):
                 sl = self.slots[s]
                 sl["pid"] = os.getpid()
                 sl["start_time"] = process_start_time(os.getpid())
@@ -180,7 +193,7 @@ class SlotOps:
                 sl["loose_head"] = -1
                 sl["loose_count"] = 0
                 sl["reserved"] = 0
-                claims.attach_pure(self, int(s), not hasattr(self.native, "claim_table"))
+                claims.attach_pure(self, int(s), not self.ops.native)
                 sl["state"] = 1
                 self.slot = self.lock.slot = int(s)
                 return
@@ -191,7 +204,7 @@ class SlotOps:
     def release_slot(self) -> None:
         if self.slot >= 0:
             self.slots["state"][self.slot] = 0
-            byte_unlock(self.live_fd, self._liveness_off(self.slot))
+            byte_unlock(self.live_fd, self.liveness_offset(self.slot))
             self.slot = self.lock.slot = -1
 
     def recorded_holder_pid(self):

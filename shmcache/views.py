@@ -13,59 +13,63 @@ from .layout import FLAG_NULL
 
 
 class SharedBlock(CacheBlock):
-    """A ``CacheBlock`` that is a live view of block ``block_id`` of a pool."""
+    """A ``CacheBlock`` that is a live view of block ``block_id`` of a pool.
 
-    def __init__(self, mgr, block_id: int) -> None:  # (super().__init__ not called on purpose)
-        self._m = mgr
+    ``ledger`` is the ``core.BlockLedger`` it reads and writes through
+    (the pool's records, this process's cache_data and checks).
+    """
+
+    def __init__(self, ledger, block_id: int) -> None:  # (super().__init__ not called on purpose)
+        self.ledger = ledger
         self._id = block_id
 
     block_id = property(lambda self: self._id)
 
     @property
     def ref_count(self) -> int:
-        return self._m._p.b_ref[self._id]
+        return self.ledger.pool.b_ref[self._id]
 
     @ref_count.setter
     def ref_count(self, v: int) -> None:
-        self._m._set_ref_count(self._id, v)
+        self.ledger.set_ref_count(self._id, v)
 
     @property
     def token_count(self) -> int:
-        return self._m._p.b_tok[self._id]
+        return self.ledger.pool.b_tok[self._id]
 
     @token_count.setter
     def token_count(self, v: int) -> None:
-        self._m._set_token_count(self._id, v)
+        self.ledger.set_token_count(self._id, v)
 
     @property
     def block_hash(self):
-        return self._m._index.hash_of(self._id)
+        return self.ledger.index.hash_of(self._id)
 
     @block_hash.setter
     def block_hash(self, v) -> None:
-        self._m._set_block_hash(self._id, v)
+        self.ledger.set_block_hash(self._id, v)
 
     @property
     def hash_value(self):
-        h = self._m._index.hash_of(self._id)
+        h = self.ledger.index.hash_of(self._id)
         return h.hex() if h is not None else None
 
     @hash_value.setter
     def hash_value(self, v) -> None:
         if v is None:
-            self._m._set_block_hash(self._id, None)
+            self.ledger.set_block_hash(self._id, None)
 
     @property
     def last_access(self) -> float:
-        return self._m._p.created_at + self._m._p.b_last[self._id]
+        return self.ledger.pool.created_at + self.ledger.pool.b_last[self._id]
 
     @last_access.setter
     def last_access(self, v: float) -> None:
-        self._m._p.b_last[self._id] = v - self._m._p.created_at
+        self.ledger.pool.b_last[self._id] = v - self.ledger.pool.created_at
 
     @property
     def is_null(self) -> bool:
-        return bool(self._m._p.b_flags[self._id] & FLAG_NULL)
+        return bool(self.ledger.pool.b_flags[self._id] & FLAG_NULL)
 
     @is_null.setter
     def is_null(self, v) -> None:
@@ -73,37 +77,37 @@ class SharedBlock(CacheBlock):
             raise AttributeError("the null block of a pool is fixed at block 0")
 
     def _neighbour(self, b: int):
-        p = self._m._p
+        p = self.ledger.pool
         if b < 0:
             return None
         if b >= p.layout.max_blocks:
             return CacheBlock(block_id=-1 if b == p.HEAD else -2)
-        return SharedBlock(self._m, b)
+        return SharedBlock(self.ledger, b)
 
-    prev_free_block = property(lambda self: self._neighbour(self._m._p.b_prev[self._id]))
-    next_free_block = property(lambda self: self._neighbour(self._m._p.b_next[self._id]))
+    prev_free_block = property(lambda self: self._neighbour(self.ledger.pool.b_prev[self._id]))
+    next_free_block = property(lambda self: self._neighbour(self.ledger.pool.b_next[self._id]))
 
     @property
     def cache_data(self):
-        return self._m._block_payload(self._id)
+        return self.ledger.block_payload(self._id)
 
     @cache_data.setter
     def cache_data(self, v) -> None:
-        self._m._set_block_payload(self._id, v)
+        self.ledger.set_block_payload(self._id, v)
 
     def touch(self) -> None:
-        self._m._p.b_last[self._id] = self._m._p.now()
+        self.ledger.pool.b_last[self._id] = self.ledger.pool.now()
 
     def reset_hash(self) -> None:
-        self._m._set_block_hash(self._id, None)
+        self.ledger.set_block_hash(self._id, None)
 
     def __eq__(self, other) -> bool:
         if isinstance(other, SharedBlock):
-            return self._m._p is other._m._p and self._id == other._id
+            return self.ledger.pool is other.ledger.pool and self._id == other._id
         return NotImplemented
 
     def __hash__(self) -> int:
-        return hash((id(self._m._p), self._id))
+        return hash((id(self.ledger.pool), self._id))
 
 
 def _mutator(name):
@@ -140,8 +144,7 @@ class TableBlockIds(list):
         self._tv = tv
 
     def _edit(self, op):
-        tv = self._tv
-        ids, result = tv._m._table_edit(tv, op)
+        ids, result = self._tv.edit_ids(op)
         list.__setitem__(self, slice(None), ids)
         return result
 
@@ -160,12 +163,12 @@ class TableBlockIds(list):
     def sort(self, *, key=None, reverse=False):
         return self._edit(lambda ids: ids.sort(key=key, reverse=reverse))
 
-    def __iadd__(self, other):
+    def __iadd__(self, other):  # type: ignore[misc]  # (list's: the table's ids, changed)
         other = list(other)
         self._edit(lambda ids: ids.extend(other))
         return self
 
-    def __imul__(self, n):
+    def __imul__(self, n):  # type: ignore[misc]
         self._edit(lambda ids: ids.__imul__(n))
         return self
 
@@ -187,62 +190,71 @@ class SharedBlockTable(BlockTable):
     """
 
     # (set once in __init__, past the dataclass's own fields)
-    _m: Any         # the manager (core.PoolOps) whose table this is
+    _m: Any         # the tables.BlockTables whose table this is
     _t: int         # the table's record
     _rid: str
     _rh: int        # the request id's hash: the record is this table while it matches
 
-    def __init__(self, mgr, t: int, request_id: str, rid_hash: int) -> None:  # noqa
-        object.__setattr__(self, "_m", mgr)
+    def __init__(self, tables, t: int, request_id: str, rid_hash: int) -> None:  # noqa
+        object.__setattr__(self, "_m", tables)
         object.__setattr__(self, "_t", t)
         object.__setattr__(self, "_rid", request_id)
         object.__setattr__(self, "_rh", rid_hash)
 
     request_id = property(lambda self: self._rid)
 
+    def record_in(self, pool):
+        """``(table record, request id hash)`` if this is a view of a table
+        of ``pool`` (the record is the table while the hash matches), else None."""
+        return (self._t, self._rh) if self._m.pool is pool else None
+
+    def edit_ids(self, op):
+        """Apply ``op`` to the table's block ids (``BlockTables.table_edit``)."""
+        return self._m.table_edit(self, op)
+
     @property
-    def block_ids(self) -> list:
+    def block_ids(self) -> list:  # type: ignore[override]  # (the dataclass field, live)
         m = self._m
-        p = m._p
-        fused = getattr(p.native, "table_ids", None)
+        p = m.pool
+        fused = p.ops.table_ids
         # C (_hot.table_ids): the read under the table's claim with no lock,
         # or in a hold of the C call's own, never one that runs Python (the
         # serving path reads it once a request); None: the path below reads
         # it, or says what is wrong
-        if fused is not None and not p.lock.unusable and not p.lock.held:
-            ids = fused(self._t, self._rh, p.slot, m._epoch)
+        if not p.lock.unusable and not p.lock.held:
+            ids = fused(self._t, self._rh, p.slot, m.holder.epoch)
             if ids is not None:
                 return TableBlockIds(self, ids)
         with p.lock:
-            return TableBlockIds(self, m._refs.table_blocks(m._table_index(self)))
+            return TableBlockIds(self, m.holder.refs.table_blocks(m.table_index(self)))
 
     @property
     def num_tokens(self) -> int:
-        return self._m._p.t_tok[self._m._table_index(self)]
+        return self._m.pool.t_tok[self._m.table_index(self)]
 
     @num_tokens.setter
     def num_tokens(self, v: int) -> None:
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"num_tokens must be a non-negative int, got {v!r}")
-        with self._m._p.lock:
-            self._m._p.t_tok[self._m._table_index(self)] = int(v)
+        with self._m.pool.lock:
+            self._m.pool.t_tok[self._m.table_index(self)] = int(v)
 
     @property
     def owner_slot(self) -> int:
-        return self._m._p.t_owner[self._m._table_index(self)]
+        return self._m.pool.t_owner[self._m.table_index(self)]
 
     def add_block(self, block_id: int, num_tokens: int) -> None:
-        self._m._table_add(self, block_id, num_tokens, set_block_tokens=False)
+        self._m.table_add(self, block_id, num_tokens, set_block_tokens=False)
 
     def __len__(self) -> int:
-        return self._m._p.t_len[self._m._table_index(self)]
+        return self._m.pool.t_len[self._m.table_index(self)]
 
     def copy(self, new_request_id: str) -> BlockTable:
         return BlockTable(new_request_id, list(self.block_ids), self.num_tokens)
 
     def __eq__(self, other) -> bool:
         if isinstance(other, SharedBlockTable):
-            return self._m._p is other._m._p and self._t == other._t and self._rh == other._rh
+            return self._m.pool is other._m.pool and self._t == other._t and self._rh == other._rh
         return NotImplemented
 
     __hash__ = object.__hash__

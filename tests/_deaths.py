@@ -18,7 +18,7 @@ BLOCKED_BOUND = 5.0   # the issue says "about a second"; generous against CI noi
 
 
 def ref_counts(mgr) -> np.ndarray:
-    return mgr._p.blocks["ref_count"][: mgr.max_blocks].copy()
+    return mgr.pool.blocks["ref_count"][: mgr.max_blocks].copy()
 
 
 def lock_is_held_elsewhere(mgr) -> bool:

@@ -38,14 +38,14 @@ LOCK_COUNTERS = [L.C_OPS, L.C_LOCK_WAIT_NS, L.C_DIRTY, L.C_HOLDER, L.C_TURN_NEXT
 def snapshot(m):
     """Every metadata byte of the pool except the lock bookkeeping counters,
     plus the manager's private index of its own references."""
-    p = m._p
+    p = m.pool
     lay = p.layout
     c = p.counters.copy()
     c[LOCK_COUNTERS] = 0
     hdr = bytes(p.mm[:L.MUTEX_OFF]) + bytes(p.mm[L.MUTEX_OFF + L.MUTEX_BYTES:lay.counters_off])
     return (hdr, c.tobytes(),
             bytes(p.mm[lay.slots_off:lay.arena_off]),
-            m._refs.loose.buf.tobytes())
+            m.internals.holder.refs.loose.buf.tobytes())
 
 
 def unchanged(m, before) -> None:
@@ -59,7 +59,7 @@ def unchanged(m, before) -> None:
 
 def full_scan(m) -> dict:
     """Statistics recomputed from scratch from the raw records."""
-    p = m._p
+    p = m.pool
     n = m.max_blocks
     ref = [p.b_ref[b] for b in range(n)]
     free, cur = 0, p.b_next[p.HEAD]
@@ -102,7 +102,7 @@ def kv_data(m, seed: int, tokens: int = BS):
 
 
 def payload(m, b: int) -> bytes:
-    return m._p.arena[:, b].tobytes()
+    return m.pool.arena[:, b].tobytes()
 
 
 def layer_kv(arena, ids, layer: int) -> list:

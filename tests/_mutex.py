@@ -14,6 +14,7 @@ import textwrap
 import pytest
 
 from shmcache import lock as shlock, segment
+from shmcache.hot_ops import ReferenceOps
 
 needs_c = pytest.mark.skipif(not shlock.ACCELERATED, reason="shmcache._hot is not built here")
 
@@ -26,22 +27,11 @@ def map_mutex(name):
         os.close(fd)
 
 
-class PythonOnly:
-    """The pool's own mutex with the fused C operations hidden, so that the
-    manager takes its Python fast path (a unit-test seam, nothing else)."""
-    alloc = free = append = acquire = new_table = delete_table = publish = None
-    add_block = lookup = None
-    table_new = table_drop = table_take = table_append = find_chain = table_ids = None
-
-    def __init__(self, native) -> None:
-        self._n = native
-
-    def __getattr__(self, k):
-        return getattr(self._n, k)
-
-
 def python_only(m):
-    m._p.native = m._p.lock.native = PythonOnly(m._p.native)
+    """Give manager ``m``'s pool the Python reference operations
+    (``hot_ops.ReferenceOps``), so that the manager takes its Python paths
+    where the C accelerator would run (a unit-test seam, nothing else)."""
+    m.pool.ops = ReferenceOps(m.pool.c, m.pool.t_claim)
     return m
 
 
@@ -88,5 +78,5 @@ def tell(proc, cmd):
 def native_of(mgr, pure):
     if pure:
         python_only(mgr)
-        mgr._p.native = mgr._p.lock.native = shlock.reference_mutex(mgr._p.mm)
-    return mgr._p.native
+        mgr.pool.native = mgr.pool.lock.native = shlock.reference_mutex(mgr.pool.mm)
+    return mgr.pool.native

@@ -86,13 +86,13 @@ class PoolModel:
 
     def snapshot(self):
         m = self.m
-        p = m._p
+        p = m.pool
         s = m.get_stats()
         return (p.blocks["ref_count"][:N].tolist(), m.free_block_queue.ids(),
                 sorted((r, t.block_ids, t.num_tokens) for r, t in m.request_tables.items()),
-                sorted(m._index.cached_ids()), p.blocks["token_count"][:N].tolist(),
+                sorted(m.internals.ledger.index.cached_ids()), p.blocks["token_count"][:N].tolist(),
                 repr(s),
-                {b: len(r) for b, r in m._refs.loose.as_dict().items()})
+                {b: len(r) for b, r in m.internals.holder.refs.loose.as_dict().items()})
 
     def unchanged(self, fn, exc, *args):
         before = self.snapshot()

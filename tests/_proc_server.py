@@ -54,7 +54,7 @@ def _stdin_watcher(stop: threading.Event) -> None:
 
 def run_random(name: str, seed: int, duration: float, demand: int = 0) -> int:
     mgr = shmcache.attach(name)
-    print(f"READY {mgr._p.slot}", flush=True)
+    print(f"READY {mgr.pool.slot}", flush=True)
     if sys.stdin.readline().strip() != "go":
         mgr.close()
         return 0
@@ -93,7 +93,7 @@ class Server:
 
     def __init__(self, mgr) -> None:
         self.m = mgr
-        self.p = mgr._p
+        self.p = mgr.pool
 
     def blocks(self, ids):
         return [self.m.blocks[int(i)] for i in ids]
@@ -189,12 +189,12 @@ class Server:
         nxt, prv = p.b_next, p.b_prev
         if kind == "pop_free":
             # unlink a block from the free list without recording it anywhere
-            b = m._fq.popleft_id()
+            b = m.internals.ledger.free_queue.popleft_id()
             p.b_ref[b] = 1
             return b
         if kind == "half_unlink":
             # the first half of remove_id on a block in the middle of the list
-            b = m._fq.ids()[2]
+            b = m.internals.ledger.free_queue.ids()[2]
             pr, n = prv[b], nxt[b]
             nxt[pr] = n
             p.c[L.C_NUM_FREE] -= 1
@@ -202,30 +202,30 @@ class Server:
         if kind == "ref_chunk":
             # take a chunk, write a held block into it and bump the block's
             # count, die before linking the chunk anywhere
-            b = m._refs.loose.blocks()[0]
-            c = m._refs._new_chunk()
+            b = m.internals.holder.refs.loose.blocks()[0]
+            c = m.internals.holder.refs._new_chunk()
             p.kw[c * L.CHUNK_WORDS + 1] = b
             p.b_ref[b] += 1
             return b
         if kind == "table_half":
             # a table half created, and a live table's append cut short after
             # linking a new tail chunk (its length, the commit, not bumped)
-            t = m._new_table("half-made")
+            t = m.internals.tables.new_table("half-made")
             p.t_state[t] = 0
-            t2 = m._table_index(m.get_block_table("victim"))
-            c = m._refs._new_chunk()
+            t2 = m.internals.tables.table_index(m.get_block_table("victim"))
+            c = m.internals.holder.refs._new_chunk()
             p.kw[p.t_tail[t2] * L.CHUNK_WORDS] = c
             p.t_tail[t2] = c
-            b = m._fq.popleft_id()
+            b = m.internals.ledger.free_queue.popleft_id()
             p.b_ref[b] = 1
             p.kw[c * L.CHUNK_WORDS + 1] = b
             return t
         if kind == "release_half":
             # a table's block released in the free list while its id stays
-            t = m._table_index(m.get_block_table("victim"))
+            t = m.internals.tables.table_index(m.get_block_table("victim"))
             b = p.kw[p.t_head[t] * L.CHUNK_WORDS + 1]
             p.b_ref[b] = 0
-            m._fq.append_id(b)
+            m.internals.ledger.free_queue.append_id(b)
             return b
         raise ValueError(kind)
 
@@ -243,7 +243,7 @@ class Server:
 def run_serve(name: str) -> int:
     mgr = shmcache.attach(name)
     srv = Server(mgr)
-    print(f"READY {mgr._p.slot}", flush=True)
+    print(f"READY {mgr.pool.slot}", flush=True)
     for line in sys.stdin:
         line = line.strip()
         if not line:
@@ -257,7 +257,7 @@ def run_serve(name: str) -> int:
             out = {"ok": False, "error": type(e).__name__, "msg": str(e),
                    "tb": traceback.format_exc()}
         print(json.dumps(out, default=int), flush=True)
-    if not mgr._p.closed:
+    if not mgr.pool.closed:
         mgr.close()
     return 0
 

@@ -256,7 +256,7 @@ def test_add_block_not_held_takes_a_reference(pair):
     t = m.create_block_table("r")
     b = other.allocate_block()
     m.add_block_to_table(t, b, 1)                   # another manager's block
-    assert b.ref_count == 2 and other._refs.holds_loose(b.block_id)
+    assert b.ref_count == 2 and other.internals.holder.refs.holds_loose(b.block_id)
     free = m.free_blocks
     m.add_block_to_table(t, 9, 1)                   # a free block: out of the queue
     assert m.blocks[9].ref_count == 1 and m.free_blocks == free - 1

@@ -96,7 +96,7 @@ def _live_table(p):
 
 
 def _table(m, rid):
-    return m._table_index(rid)
+    return m.internals.tables.table_index(rid)
 
 
 def _leak_chunk(p):
@@ -109,7 +109,7 @@ def _leak_chunk(p):
 def test_check_detects_corruption(manager, kind):
     _scenario(manager)
     assert manager.check() == []
-    p = manager._p
+    p = manager.pool
     raw_before = bytes(p.mm[:p.layout.arena_off])
     CORRUPTIONS[kind](manager, p)
     assert bytes(p.mm[:p.layout.arena_off]) != raw_before, "the corruption changed nothing"
@@ -122,8 +122,8 @@ def test_check_detects_corruption(manager, kind):
 
 def test_check_detects_ref_count_example(manager):
     manager.get_new_blocks(6)
-    manager._p.b_ref[5] = 7
+    manager.pool.b_ref[5] = 7
     problems = manager.check()
     assert any("block 5" in s and "ref_count" in s for s in problems)
-    manager._p.b_ref[5] = 1
+    manager.pool.b_ref[5] = 1
     assert manager.check() == []

@@ -32,12 +32,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def ops(m) -> int:
-    return int(m._p.c[L.C_OPS])     # lock holds that ended
+    return int(m.pool.c[L.C_OPS])     # lock holds that ended
 
 
 def consistent(m, t) -> None:
     """The table's token count agrees with its last block's, and check is clean."""
-    p, bs = m._p, m.block_size
+    p, bs = m.pool, m.block_size
     ids = list(t.block_ids)
     tok = t.num_tokens
     assert (len(ids) - 1) * bs < tok <= len(ids) * bs
@@ -77,13 +77,13 @@ def test_a_shared_or_published_last_block_goes_the_locked_way(manager):
     u = m.create_block_table("u")
     m.prepare_append(u, 6)
     ids = list(u.block_ids)
-    m._p.b_flags[ids[-1]] |= L.FLAG_CACHED          # published (as a trimmed table's can be)
+    m.pool.b_flags[ids[-1]] |= L.FLAG_CACHED          # published (as a trimmed table's can be)
     try:
         held = ops(m)
         (b,) = m.prepare_append(u, 1)
         assert ops(m) > held and b.block_id != ids[-1]      # the lock, and a copy
     finally:
-        m._p.b_flags[ids[-1]] &= ~L.FLAG_CACHED
+        m.pool.b_flags[ids[-1]] &= ~L.FLAG_CACHED
 
 
 def test_another_managers_table_goes_the_locked_way(make_pool):
@@ -103,19 +103,19 @@ def test_another_managers_table_goes_the_locked_way(make_pool):
 
 def test_a_claim_held_by_the_lock_holder_turns_the_lock_free_append_off(manager):
     m = manager
-    p = m._p
+    p = m.pool
     t = m.create_block_table("t")
     m.prepare_append(t, 5)
     p.t_claim[t._t] = -1                            # as a hold that writes the table has it
     held = ops(m)
     try:
-        assert p.native.append(t._t, t._rh, 1, 4, 0.0, p.slot, m._epoch) is None
+        assert p.native.append(t._t, t._rh, 1, 4, 0.0, p.slot, m.internals.holder.epoch) is None
         assert ops(m) == held + 1                   # it went for the lock, and refused
         assert t.num_tokens == 5
     finally:
         p.t_claim[t._t] = 0
     with p.lock:
-        m._table_index(t)                           # a Python hold takes the claim...
+        m.internals.tables.table_index(t)                           # a Python hold takes the claim...
         assert p.t_claim[t._t] == -1 and p.lock.claimed == [t._t]
     assert p.t_claim[t._t] == 0 and p.lock.claimed == []    # ...and gives it back
 
@@ -123,11 +123,11 @@ def test_a_claim_held_by_the_lock_holder_turns_the_lock_free_append_off(manager)
 def test_a_lock_holder_waits_for_a_live_appender_and_takes_a_dead_ones_claim(make_pool):
     a = make_pool(block_size=4, max_blocks=32)
     other = shmcache.attach(a.name)                 # a live slot (its liveness byte held)
-    p = a._p
+    p = a.pool
     try:
         t = a.create_block_table("t")
         a.prepare_append(t, 5)
-        p.t_claim[t._t] = other._p.slot + 1         # as if it were appending now
+        p.t_claim[t._t] = other.pool.slot + 1         # as if it were appending now
         let_go = threading.Timer(0.3, lambda: p.t_claim.__setitem__(t._t, 0))
         let_go.start()
         t0 = time.monotonic()
@@ -135,26 +135,26 @@ def test_a_lock_holder_waits_for_a_live_appender_and_takes_a_dead_ones_claim(mak
         assert time.monotonic() - t0 >= 0.25 and t.num_tokens == 4
         let_go.join()
         # a slot that is not attached (a dead appender's, reclaimed): taken over
-        dead = other._p.slot
+        dead = other.pool.slot
         other.close()
         p.t_claim[t._t] = dead + 1
         assert any("claimed by slot" in x for x in a.check())
         a.trim_table(t, 1)
         assert t.num_tokens == 3 and p.t_claim[t._t] == 0 and a.check() == []
     finally:
-        if not other._p.closed:
+        if not other.pool.closed:
             other.close()
 
 
 def test_repair_gives_back_a_dead_lock_holders_claims(manager):
     m = manager
-    p = m._p
+    p = m.pool
     t = m.create_block_table("t")
     m.prepare_append(t, 5)
     p.t_claim[t._t] = -1                            # left by a holder that died
     assert any("lock holder that is gone" in x for x in m.check())
     with p.lock:
-        m._p._on_dirty()
+        m.pool._on_dirty()
     assert p.t_claim[t._t] == 0 and m.check() == []
     m.prepare_append(t, 1)
     consistent(m, t)
@@ -162,13 +162,13 @@ def test_repair_gives_back_a_dead_lock_holders_claims(manager):
 
 def test_free_records_with_a_claim_are_not_reused(manager):
     m = manager
-    p = m._p
+    p = m.pool
     p.t_claim[0] = 5                                # a stale probe on a free record
     try:
         t = m.create_block_table("t")
         assert t._t != 0
         with p.lock:
-            assert m._new_table("u") != 0
+            assert m.internals.tables.new_table("u") != 0
     finally:
         p.t_claim[0] = 0
 
@@ -257,7 +257,7 @@ def test_appenders_killed_at_any_moment_lose_nothing(make_pool):
             p.send_signal(signal.SIGKILL)
             p.wait(timeout=10)
     a.reclaim_dead()
-    assert not (a._p.tables["claim"] != 0).any()
+    assert not (a.pool.tables["claim"] != 0).any()
     assert a.check() == [] and a.get_stats().free_blocks == a.max_blocks - 1
 
 
@@ -271,14 +271,14 @@ def test_a_pure_process_turns_the_lock_free_append_off_while_attached(make_pool)
                   env={"SHMCACHE_PURE": "1"})
     try:
         assert _line(pure) == ["ready"]
-        assert a._p.c[L.C_PURE] == 1 and claims.count_pure(a._p) == 1
+        assert a.pool.c[L.C_PURE] == 1 and claims.count_pure(a.pool) == 1
         held = ops(a)
         a.prepare_append(t, 1)
         assert ops(a) == held + 1                   # the lock
         pure.send_signal(signal.SIGKILL)
         pure.wait(timeout=10)
         a.reclaim_dead()                                 # its slot released: no longer counted
-        assert a._p.c[L.C_PURE] == 0
+        assert a.pool.c[L.C_PURE] == 0
         held = ops(a)
         a.prepare_append(t, 1)
         assert ops(a) == held and t.num_tokens == 7

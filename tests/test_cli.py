@@ -66,7 +66,7 @@ def test_inspect_json_matches_manager(make_pool):
     assert h["pid"] == os.getpid() and h["alive"] is True
     assert h["tables"] == 2 and h["loose_blocks"] == 4 and h["table_blocks"] == 3 + 3
     # the fused ops' turns at the lock (C only): each handed on, none waiting
-    assert d["lock_turns"] == int(m._p.c[L.C_TURN_NEXT]) and d["lock_queue"] == 0
+    assert d["lock_turns"] == int(m.pool.c[L.C_TURN_NEXT]) and d["lock_queue"] == 0
     assert (d["lock_turns"] > 0) == shlock.ACCELERATED
     assert m.check() == []
 

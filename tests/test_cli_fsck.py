@@ -31,8 +31,8 @@ def test_fsck_consistent(make_pool):
 
 def test_fsck_finds_and_repairs_corruption(make_pool):
     m = busy_pool(make_pool)
-    free_block = next(b for b in range(1, 32) if m._p.b_ref[b] == 0)
-    m._p.b_ref[free_block] = 5                  # a free block claims 5 references
+    free_block = next(b for b in range(1, 32) if m.pool.b_ref[b] == 0)
+    m.pool.b_ref[free_block] = 5                  # a free block claims 5 references
     r = run("fsck", m.name)
     assert r.returncode == 1
     lines = r.stdout.strip().splitlines()
@@ -51,9 +51,9 @@ def test_fsck_is_read_only_even_on_a_dirty_pool(make_pool):
     not one byte of a dirty, corrupted pool changes (it used to attach, and
     the first lock repaired the pool); --repair then rebuilds it."""
     m = busy_pool(make_pool)
-    free_block = next(b for b in range(1, 32) if m._p.b_ref[b] == 0)
-    m._p.b_ref[free_block] = 5
-    m._p.c[L.C_DIRTY] = 1
+    free_block = next(b for b in range(1, 32) if m.pool.b_ref[b] == 0)
+    m.pool.b_ref[free_block] = 5
+    m.pool.c[L.C_DIRTY] = 1
     path = segment.path_for(m.name)
     with open(path, "rb") as f:
         before = f.read()
@@ -63,11 +63,11 @@ def test_fsck_is_read_only_even_on_a_dirty_pool(make_pool):
     assert f"block {free_block}: ref_count 5" in r.stdout
     with open(path, "rb") as f:
         assert f.read() == before               # header, lock word, counters, slots, records
-    assert m._p.c[L.C_RECOVERIES] == 0
+    assert m.pool.c[L.C_RECOVERIES] == 0
     r = run("fsck", m.name, "--repair")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "was marked dirty" in r.stdout and "consistent after repair" in r.stdout
-    assert m._p.c[L.C_DIRTY] == 0 and m._p.c[L.C_RECOVERIES] == 1
+    assert m.pool.c[L.C_DIRTY] == 0 and m.pool.c[L.C_RECOVERIES] == 1
     assert m.check() == []
 
 
@@ -78,7 +78,7 @@ def test_fsck_never_waits_for_the_lock(make_pool):
     m = busy_pool(make_pool)
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True).stdout.strip()
-    word = memoryview(m._p.mm)[L.MUTEX_OFF:L.MUTEX_OFF + 4].cast("i")
+    word = memoryview(m.pool.mm)[L.MUTEX_OFF:L.MUTEX_OFF + 4].cast("i")
     word[0] = int(gone)
     try:
         t0 = time.monotonic()

@@ -44,7 +44,7 @@ MODES = pytest.mark.parametrize("pure", [False, True], ids=["c", "pure"])
 IDLE = r"""
 import sys, shmcache
 m = shmcache.attach(sys.argv[1])
-print(m._p.slot, flush=True)
+print(m.pool.slot, flush=True)
 sys.stdin.readline()
 m.close()
 """
@@ -93,7 +93,7 @@ def _ops(name, pure, timeout=30) -> float:
 
 
 def _set_lock_word(mgr, value: int) -> None:
-    ctypes.c_uint32.from_buffer(mgr._p.mm, L.MUTEX_OFF).value = value
+    ctypes.c_uint32.from_buffer(mgr.pool.mm, L.MUTEX_OFF).value = value
 
 
 def _sleeper():
@@ -111,19 +111,19 @@ def test_a_claim_naming_a_live_attached_process_hangs_nobody(make_pool, pure):
     idle = _start(IDLE, a.name)
     try:
         slot = int(_line(idle))
-        a._p.t_claim[t._t] = slot + 1              # a corrupted word: slot is alive, idle
+        a.pool.t_claim[t._t] = slot + 1              # a corrupted word: slot is alive, idle
         took = _ops(a.name, pure)                  # used to hang forever
         assert took < claims.CLAIM_STUCK_S + 8
-        assert a._p.t_claim[t._t] == 0 and t.num_tokens == 6
+        assert a.pool.t_claim[t._t] == 0 and t.num_tokens == 6
         if not pure:    # (the command below is the same in both modes)
-            a._p.t_claim[t._t] = slot + 1
+            a.pool.t_claim[t._t] = slot + 1
             r = run("fsck", a.name)
             assert r.returncode == 1 and "stuck or corrupted claim" in r.stdout, r.stdout
             # again, and fsck --repair clears it
-            a._p.t_claim[t._t] = slot + 1
+            a.pool.t_claim[t._t] = slot + 1
             r = run("fsck", "--repair", a.name, timeout=30)
             assert r.returncode == 0, r.stdout + r.stderr
-            assert a._p.t_claim[t._t] == 0
+            assert a.pool.t_claim[t._t] == 0
             assert run("fsck", a.name).returncode == 0
     finally:
         idle.kill()
@@ -139,7 +139,7 @@ def test_a_lock_word_naming_a_live_process_that_never_attached_hangs_nobody(make
     s = _sleeper()
     try:
         _set_lock_word(a, s.pid)
-        assert a._p.native.trylock() == -1         # looks held
+        assert a.pool.native.trylock() == -1         # looks held
         took = _ops(a.name, pure)                  # attach and ops used to hang forever
         assert slots.UNRECORDED_OWNER_S - 0.5 < took < slots.UNRECORDED_OWNER_S + 8
         if not pure:    # (the commands below are the same in both modes)
@@ -189,24 +189,24 @@ from shmcache.errors import CorruptPoolError
 m = shmcache.attach(sys.argv[1])
 dead = subprocess.Popen([sys.executable, "-c", "pass"]); dead.wait()
 try:
-    with m._p.lock:
-        ctypes.c_uint32.from_buffer(m._p.mm, L.MUTEX_OFF).value = dead.pid
+    with m.pool.lock:
+        ctypes.c_uint32.from_buffer(m.pool.mm, L.MUTEX_OFF).value = dead.pid
 except CorruptPoolError as e:
-    print("CorruptPoolError", int(m._p.c[L.C_DIRTY]), e, flush=True)
+    print("CorruptPoolError", int(m.pool.c[L.C_DIRTY]), e, flush=True)
 b = m.allocate_block()          # the word names a thread that is gone: taken over
 m.free_block(b)
 print("ok", flush=True)
 m.close()
 """
     a = make_pool(block_size=4, max_blocks=32)
-    recoveries = int(a._p.c[L.C_RECOVERIES])
+    recoveries = int(a.pool.c[L.C_RECOVERIES])
     r = subprocess.run([sys.executable, "-c", code, a.name], capture_output=True, text=True,
                        env=_env(pure), timeout=30)
     assert r.returncode == 0, r.stderr
     out = r.stdout.splitlines()
     assert out[0].startswith("CorruptPoolError 1 ") and "lock word was overwritten" in out[0]
     assert out[1] == "ok" and "PermissionError" not in r.stderr
-    assert int(a._p.c[L.C_RECOVERIES]) > recoveries
+    assert int(a.pool.c[L.C_RECOVERIES]) > recoveries
     assert a.check() == []
 
 
@@ -217,7 +217,7 @@ def test_a_table_whose_owner_is_no_attached_slot_is_reported_and_released(make_p
     t = a.create_block_table("leak")
     for b in a.get_new_blocks(3):
         a.add_block_to_table(t, b, 4)
-    a._p.t_owner[t._t] = a._p.layout.max_slots - 1      # a corrupted owner: not attached
+    a.pool.t_owner[t._t] = a.pool.layout.max_slots - 1      # a corrupted owner: not attached
     r = run("fsck", a.name)
     assert r.returncode == 1 and "which is not attached" in r.stdout, r.stdout
     assert a.get_stats().free_blocks == 28

@@ -12,7 +12,7 @@ from shmcache.errors import OutOfBlocksError
 
 def walk(mgr) -> list:
     """Every link from HEAD to TAIL and back; prev must mirror next."""
-    p = mgr._p
+    p = mgr.pool
     head, tail = mgr.max_blocks, mgr.max_blocks + 1
     assert (p.HEAD, p.TAIL) == (head, tail)
     assert p.b_prev[head] == -1 and p.b_next[tail] == -1
@@ -295,7 +295,7 @@ def test_popleft_on_empty_shared_queue(make_pool):
 
 def test_check_detects_broken_links(manager):
     manager.get_new_blocks(3)
-    p = manager._p
+    p = manager.pool
     saved = p.b_prev[10]
     p.b_prev[10] = 12
     assert any("prev" in s for s in manager.check())

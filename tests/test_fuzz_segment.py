@@ -383,7 +383,7 @@ def test_a_live_pool_with_corrupted_words_hangs_nobody(make_pool):
     from shmcache import layout as L
 
     m = make_pool(block_size=4, max_blocks=64, max_slots=8, max_tables=16)
-    lay, p = m.layout, m._p
+    lay, p = m.layout, m.pool
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     until = time.time() + LIVE_S + 2.0
     workers = []

@@ -27,7 +27,7 @@ SCENARIO = """
     import shmcache
     from shmcache import layout as L
     m = shmcache.PagedCacheManager(block_size=4, max_blocks=32, max_refs=64)
-    p = m._p
+    p = m.pool
     t = m.create_block_table("t")
     for b in m.get_new_blocks(3):
         m.add_block_to_table(t, b, 4)
@@ -68,10 +68,10 @@ SCENARIO = """
         p.s_head[p.slot] = 10**6
         op = lambda: m.free_block(held[0].block_id)
     elif kind == "local word":
-        m._refs.loose._top[held[0].block_id] = 10**6 + 1   # (a link is word + 1)
+        m.internals.holder.refs.loose._top[held[0].block_id] = 10**6 + 1   # (a link is word + 1)
         op = lambda: m.free_block(held[0].block_id)
     elif kind == "slot word":
-        g = m._refs.loose.top(held[0].block_id)
+        g = m.internals.holder.refs.loose.top(held[0].block_id)
         p.kw[g] = held[1].block_id
         op = lambda: m.free_block(held[0].block_id)
     elif kind == "slot chunk link":
@@ -189,12 +189,46 @@ def test_alloc_checks_the_count_before_sizing_anything():
     MemoryError. Now a count the pool cannot have goes to the slow path."""
     m = shmcache.PagedCacheManager(block_size=4, max_blocks=32)
     try:
-        p = m._p
-        assert p.native.alloc(2**40, p.slot, m._epoch, m._refs.loose.buf) is None
-        assert p.native.alloc(32, p.slot, m._epoch, m._refs.loose.buf) is None
-        assert len(p.native.alloc(31, p.slot, m._epoch, m._refs.loose.buf)) == 31
+        p = m.pool
+        assert p.native.alloc(2**40, p.slot, m.internals.holder.epoch, m.internals.holder.refs.loose.buf) is None
+        assert p.native.alloc(32, p.slot, m.internals.holder.epoch, m.internals.holder.refs.loose.buf) is None
+        assert len(p.native.alloc(31, p.slot, m.internals.holder.epoch, m.internals.holder.refs.loose.buf)) == 31
         with pytest.raises(ValueError):
             p.native.set_chunks(10**12)  # more chunks than the mapping holds
         assert m.check() == []
     finally:
         m.close()
+
+
+@pytest.mark.parametrize("pure", [False, True], ids=["native", "SHMCACHE_PURE"])
+def test_the_hot_operations_are_chosen_once_at_attach(pure):
+    """pool.ops is the C accelerator's (NativeOps) where _hot is built, and
+    the Python reference (ReferenceOps) with SHMCACHE_PURE=1, whose fused
+    operations all answer None (the callers' Python paths run)."""
+    if not pure and not shlock.ACCELERATED:
+        pytest.skip("the C accelerator is not built")
+    code = textwrap.dedent("""
+        import shmcache
+        from shmcache import hot_ops
+        m = shmcache.PagedCacheManager(block_size=4, max_blocks=16)
+        ops = m.pool.ops
+        print(type(ops).__name__, ops.native)
+        if not ops.native:
+            assert not any(n in vars(ops) for n in hot_ops.OPERATIONS)   # the class's own
+            assert ops.alloc(1, m.pool.slot, 0, None) is None
+        else:
+            assert ops.hot is m.pool.native       # each op the compiled object's method
+            assert all(n in vars(ops) for n in hot_ops.OPERATIONS)
+        ids = [b.block_id for b in m.get_new_blocks(3)]
+        m.free_block_batch(ids)
+        assert m.free_blocks == 15 and m.check() == []
+        m.close()
+    """)
+    env = dict(os.environ)
+    env.pop("SHMCACHE_PURE", None)
+    if pure:
+        env["SHMCACHE_PURE"] = "1"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == (["ReferenceOps", "False"] if pure else ["NativeOps", "True"])

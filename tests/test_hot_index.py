@@ -16,6 +16,7 @@ import pytest
 import shmcache
 from shmcache import layout as L
 from shmcache import lock as shlock
+from shmcache.hot_ops import NativeOps
 
 from _mutex import python_only
 from test_hot_tables import _Counted, _shared_state, assert_unchanged_but_the_lock
@@ -33,16 +34,16 @@ def _pool_with_a_table(n_tokens=12):
 def test_publish_caches_the_blocks_full_in_one_hold_and_keeps_a_cached_hash():
     m, t, tokens = _pool_with_a_table()
     try:
-        p, nat = m._p, m._p.native
+        p, nat = m.pool, m.pool.native
         ids = t.block_ids
-        hs = m._hashes(tokens, 3, None)
+        hs = m.internals.ledger.hashes(tokens, 3, None)
         ops = int(p.c[L.C_OPS])
-        assert nat.publish(ids[:2], b"".join(hs[:2]), 4, p.slot, m._epoch) == 2
+        assert nat.publish(ids[:2], b"".join(hs[:2]), 4, p.slot, m.internals.holder.epoch) == 2
         assert int(p.c[L.C_OPS]) == ops + 1 and p.c[L.C_DIRTY] == 0
         assert [m.blocks[b].token_count for b in ids] == [4, 4, 4]
         # block 0 is cached already: it keeps its hash, and only block 2 is added
-        assert nat.publish(ids, b"".join([b"\xff" * 16] + hs[1:]), 4, p.slot, m._epoch) == 1
-        assert [m._index.hash_of(b) for b in ids] == hs
+        assert nat.publish(ids, b"".join([b"\xff" * 16] + hs[1:]), 4, p.slot, m.internals.holder.epoch) == 1
+        assert [m.internals.ledger.index.hash_of(b) for b in ids] == hs
         other = m.create_block_table("b")
         got, n = m.acquire_computed_blocks(tokens, table=other)
         assert [b.block_id for b in got] == ids and n == 12
@@ -56,27 +57,27 @@ def test_publish_caches_the_blocks_full_in_one_hold_and_keeps_a_cached_hash():
 def test_publish_refuses_what_the_python_path_raises_for_and_changes_nothing():
     m, t, tokens = _pool_with_a_table()
     try:
-        p, nat = m._p, m._p.native
+        p, nat = m.pool, m.pool.native
         ids = t.block_ids
-        hs = b"".join(m._hashes(tokens, 3, None))
+        hs = b"".join(m.internals.ledger.hashes(tokens, 3, None))
         free = next(b for b in range(1, 32) if m.blocks[b].ref_count == 0)
         before = bytes(p.raw)
-        for args in ((ids, hs[:-1], 4, p.slot, m._epoch),          # hashes not 16 bytes each
-                     (ids, hs, 4, p.slot, m._epoch + 1),           # stale view
-                     (ids, hs, 4, -1, m._epoch),                   # no slot
-                     (ids, hs, 0, p.slot, m._epoch),               # bad block size
-                     ([0] + ids[1:], hs, 4, p.slot, m._epoch),     # the null block
-                     ([ids[0], 999, ids[2]], hs, 4, p.slot, m._epoch),
-                     ([ids[0], free, ids[2]], hs, 4, p.slot, m._epoch)):   # a free block
+        for args in ((ids, hs[:-1], 4, p.slot, m.internals.holder.epoch),          # hashes not 16 bytes each
+                     (ids, hs, 4, p.slot, m.internals.holder.epoch + 1),           # stale view
+                     (ids, hs, 4, -1, m.internals.holder.epoch),                   # no slot
+                     (ids, hs, 0, p.slot, m.internals.holder.epoch),               # bad block size
+                     ([0] + ids[1:], hs, 4, p.slot, m.internals.holder.epoch),     # the null block
+                     ([ids[0], 999, ids[2]], hs, 4, p.slot, m.internals.holder.epoch),
+                     ([ids[0], free, ids[2]], hs, 4, p.slot, m.internals.holder.epoch)):   # a free block
             assert nat.publish(*args) is None, args
         with p.lock:                                               # held by this thread
-            assert nat.publish(ids, hs, 4, p.slot, m._epoch) is None
+            assert nat.publish(ids, hs, 4, p.slot, m.internals.holder.epoch) is None
         assert_unchanged_but_the_lock(p, before)
         with pytest.raises(ValueError, match=f"block {free} is not allocated"):
             m.cache_full_blocks([ids[0], free, ids[2]], tokens, 0, 3)   # (the Python path says why)
         with pytest.raises(TypeError):
-            nat.publish(ids, "not bytes", 4, p.slot, m._epoch)
-        assert m._index.hash_of(ids[0]) is None and m.check() == []
+            nat.publish(ids, "not bytes", 4, p.slot, m.internals.holder.epoch)
+        assert m.internals.ledger.index.hash_of(ids[0]) is None and m.check() == []
     finally:
         m.close()
 
@@ -88,17 +89,17 @@ def test_publish_into_a_corrupted_index_leaves_the_pool_dirty_and_the_next_hold_
     index from the blocks' flags."""
     m, t, tokens = _pool_with_a_table()
     try:
-        p, nat = m._p, m._p.native
+        p, nat = m.pool, m.pool.native
         ids = t.block_ids
-        hs = m._hashes(tokens, 3, None)
+        hs = m.internals.ledger.hashes(tokens, 3, None)
         p.hidx[:] = 31                          # every slot taken, by an uncached block
-        assert nat.publish(ids, b"".join(hs), 4, p.slot, m._epoch) is None
+        assert nat.publish(ids, b"".join(hs), 4, p.slot, m.internals.holder.epoch) is None
         assert p.c[L.C_DIRTY] == 1
         assert nat.trylock() == 0               # the lock was released
         nat.unlock()
         m.cache_full_blocks(ids, tokens, 0, 3)  # repaired first, then published
         assert p.c[L.C_DIRTY] == 0 and m.check() == []
-        assert [m._index.hash_of(b) for b in ids] == hs
+        assert [m.internals.ledger.index.hash_of(b) for b in ids] == hs
         assert int((p.hidx >= 0).sum()) == 3
         m.delete_block_table("a")
     finally:
@@ -113,7 +114,7 @@ def _all_cached_and_free(m):
     m.prepare_append(t, 4 * n)
     m.cache_full_blocks(t.block_ids, list(range(4 * n)), 0, n)
     m.delete_block_table("all")
-    assert m.free_blocks == n and int(m._p.hidx.__ge__(0).sum()) == n
+    assert m.free_blocks == n and int(m.pool.hidx.__ge__(0).sum()) == n
 
 
 def test_the_c_allocations_evict_cached_free_blocks_as_the_python_path_does():
@@ -121,23 +122,23 @@ def test_the_c_allocations_evict_cached_free_blocks_as_the_python_path_does():
     b = python_only(shmcache.PagedCacheManager(block_size=4, max_blocks=16))
     calls = {"alloc": 0, "append": 0}
     try:
-        b._root = a._root                        # same chain hashes in both
+        b.internals.ledger.root = a.internals.ledger.root                        # same chain hashes in both
         for m in (a, b):
             _all_cached_and_free(m)
-        a._p.native = a._p.lock.native = _Counted(a._p.native, calls)
-        ev = int(a._p.c[L.C_EVICTIONS])
+        a.pool.ops = NativeOps(_Counted(a.pool.native, calls), a.pool.c, a.pool.t_claim)
+        ev = int(a.pool.c[L.C_EVICTIONS])
         got = [[x.block_id for x in m.get_new_blocks(3)] for m in (a, b)]
         assert got[0] == got[1] and calls["alloc"] == 1
-        assert int(a._p.c[L.C_EVICTIONS]) == ev + 3
-        assert all(a._index.hash_of(x) is None for x in got[0])
+        assert int(a.pool.c[L.C_EVICTIONS]) == ev + 3
+        assert all(a.internals.ledger.index.hash_of(x) is None for x in got[0])
         for m in (a, b):
             u = m.create_block_table("u")
             m.prepare_append(u, 9)               # three blocks, each evicted
-        assert calls["append"] == 1 and int(a._p.c[L.C_EVICTIONS]) == ev + 6
+        assert calls["append"] == 1 and int(a.pool.c[L.C_EVICTIONS]) == ev + 6
         assert _shared_state(a) == _shared_state(b)
         # the rest stays cached and found, past the evicted first blocks
         for m in (a, b):
-            left = [x for x in range(1, 16) if m._index.hash_of(x) is not None]
+            left = [x for x in range(1, 16) if m.internals.ledger.index.hash_of(x) is not None]
             assert len(left) == 9
             m.free_block_batch(got[0])
             m.delete_block_table("u")

@@ -14,10 +14,11 @@ import pytest
 import shmcache
 from shmcache import layout as L
 from shmcache import lock as shlock
+from shmcache.hot_ops import NativeOps
 from shmcache.refs import rid_key
 
 from _helpers import LOCK_COUNTERS
-from _mutex import PythonOnly
+from _mutex import python_only
 
 
 # ------------------------------------------- the table ops: C against Python
@@ -37,7 +38,7 @@ def assert_unchanged_but_the_lock(p, before: bytes) -> None:
 def _shared_state(m):
     """The segment's metadata the table ops touch, minus what differs between
     two pools by construction (seeds, times, lock bookkeeping)."""
-    p = m._p
+    p = m.pool
     b = p.blocks
     c = p.counters.copy()
     c[LOCK_COUNTERS] = 0
@@ -45,7 +46,7 @@ def _shared_state(m):
             b["flags"].tobytes(), b["token_count"].tobytes(), b["gen"].tobytes(),
             b["hash"].tobytes(), p.chunks.tobytes(), p.slots["loose_head"].tobytes(),
             p.slots["loose_count"].tobytes(), c.tobytes(), p.tables.tobytes(),
-            p.tidx.tobytes(), p.hidx.tobytes(), m._refs.loose.buf.tobytes())
+            p.tidx.tobytes(), p.hidx.tobytes(), m.internals.holder.refs.loose.buf.tobytes())
 
 
 def _serve(m, seed: int) -> list:
@@ -65,7 +66,7 @@ def _serve(m, seed: int) -> list:
                 if rng.random() < 0.5:
                     t = m.create_block_table(rid)       # the fused new_table
                 else:
-                    with m._p.lock:                     # table_new in the caller's hold
+                    with m.pool.lock:                     # table_new in the caller's hold
                         t = m.create_block_table(rid)
                 tokens = rng.choice(prompts)[:bs * rng.randint(0, 6)]
                 tokens = tokens + [rng.randrange(50) for _ in range(rng.randrange(2 * bs))]
@@ -120,7 +121,7 @@ def _serve(m, seed: int) -> list:
                 if rng.random() < 0.5:
                     m.delete_block_table(rid)           # the fused delete_table
                 else:
-                    with m._p.lock:                     # table_drop in the caller's hold
+                    with m.pool.lock:                     # table_drop in the caller's hold
                         m.delete_block_table(rid)
                 log.append(("del", rid))
         except shmcache.OutOfBlocksError as e:
@@ -137,13 +138,13 @@ def test_the_c_table_ops_leave_the_same_state_as_the_python_ones(max_blocks):
     kw = dict(block_size=4, max_blocks=max_blocks, max_tables=16)
     a = shmcache.PagedCacheManager(**kw)
     b = shmcache.PagedCacheManager(**kw)
-    b._p.native = b._p.lock.native = PythonOnly(b._p.native)
+    python_only(b)
     calls = {"table_new": 0, "table_drop": 0, "table_take": 0, "table_append": 0,
              "append": 0, "acquire": 0, "new_table": 0, "delete_table": 0, "find_chain": 0,
              "publish": 0, "add_block": 0, "lookup": 0}
-    a._p.native = a._p.lock.native = _Counted(a._p.native, calls)
+    a.pool.ops = NativeOps(_Counted(a.pool.native, calls), a.pool.c, a.pool.t_claim)
     try:
-        b._root = a._root                        # same chain hashes in both
+        b.internals.ledger.root = a.internals.ledger.root                        # same chain hashes in both
         for seed in range(6):
             la, lb = _serve(a, seed), _serve(b, seed)
             assert la == lb
@@ -185,7 +186,7 @@ def test_the_table_ops_refuse_outside_a_lock_hold_and_bad_arguments():
     nothing changes."""
     m = shmcache.PagedCacheManager(block_size=4, max_blocks=32)
     try:
-        p, nat = m._p, m._p.native
+        p, nat = m.pool, m.pool.native
         t = m.create_block_table("t")
         m.prepare_append(t, 6)
         before = bytes(p.raw)
@@ -219,11 +220,11 @@ def test_c_append_into_blocks_before_the_tail_chunk_matches_python():
     append, which takes the lock itself) walks the chain."""
     a = shmcache.PagedCacheManager(block_size=4, max_blocks=64)
     b = shmcache.PagedCacheManager(block_size=4, max_blocks=64)
-    b._p.native = b._p.lock.native = PythonOnly(b._p.native)
+    python_only(b)
     calls = {"append": 0}
-    a._p.native = a._p.lock.native = _Counted(a._p.native, calls)
+    a.pool.ops = NativeOps(_Counted(a.pool.native, calls), a.pool.c, a.pool.t_claim)
     try:
-        b._root = a._root
+        b.internals.ledger.root = a.internals.ledger.root
         for m in (a, b):
             t = m.create_block_table("t")
             for blk in m.get_new_blocks(40):            # three chunks, no tokens
@@ -248,27 +249,27 @@ def test_the_fused_append_takes_the_lock_itself_and_refuses_a_stale_table():
     holds; prepare_append then takes its Python path."""
     m = shmcache.PagedCacheManager(block_size=4, max_blocks=32)
     try:
-        p, nat = m._p, m._p.native
+        p, nat = m.pool, m.pool.native
         t = m.create_block_table("t")
         ops = int(p.c[L.C_OPS])
-        ids = nat.append(t._t, t._rh, 6, 4, 0.0, p.slot, m._epoch)
+        ids = nat.append(t._t, t._rh, 6, 4, 0.0, p.slot, m.internals.holder.epoch)
         assert len(ids) == 2 and int(p.c[L.C_OPS]) == ops + 1 and p.c[L.C_DIRTY] == 0
         assert t.num_tokens == 6 and t.block_ids == ids
         before = bytes(p.raw)
         # (3 tokens: past the last block, so the locked path; one token into
         # the last block takes no lock at all: test_the_lock_free_append...)
-        assert nat.append(t._t, t._rh ^ 1, 3, 4, 0.0, p.slot, m._epoch) is None   # not its id
-        assert nat.append(t._t + 1, t._rh, 3, 4, 0.0, p.slot, m._epoch) is None   # no table
-        assert nat.append(t._t, t._rh, 3, 4, 0.0, p.slot, m._epoch + 1) is None   # stale view
-        assert nat.append(t._t, t._rh, 0, 4, 0.0, p.slot, m._epoch) is None       # (Python's)
-        assert nat.append(t._t, t._rh, 3, 4, 0.0, -1, m._epoch) is None
+        assert nat.append(t._t, t._rh ^ 1, 3, 4, 0.0, p.slot, m.internals.holder.epoch) is None   # not its id
+        assert nat.append(t._t + 1, t._rh, 3, 4, 0.0, p.slot, m.internals.holder.epoch) is None   # no table
+        assert nat.append(t._t, t._rh, 3, 4, 0.0, p.slot, m.internals.holder.epoch + 1) is None   # stale view
+        assert nat.append(t._t, t._rh, 0, 4, 0.0, p.slot, m.internals.holder.epoch) is None       # (Python's)
+        assert nat.append(t._t, t._rh, 3, 4, 0.0, -1, m.internals.holder.epoch) is None
         assert_unchanged_but_the_lock(p, before)
         with p.lock:                            # held by this thread: not reentrant
-            assert nat.append(t._t, t._rh, 3, 4, 0.0, p.slot, m._epoch) is None
+            assert nat.append(t._t, t._rh, 3, 4, 0.0, p.slot, m.internals.holder.epoch) is None
             assert [b.block_id for b in m.prepare_append(t, 1)] == [ids[1]]   # Python path
         m.delete_block_table("t")
         u = m.create_block_table("u")           # (reuses the record)
-        assert u._t == t._t and nat.append(t._t, t._rh, 1, 4, 0.0, p.slot, m._epoch) is None
+        assert u._t == t._t and nat.append(t._t, t._rh, 1, 4, 0.0, p.slot, m.internals.holder.epoch) is None
         assert u.num_tokens == 0 and m.check() == []
     finally:
         m.close()
@@ -286,43 +287,43 @@ def test_table_ids_reads_under_the_claim_or_in_one_c_hold_and_refuses_what_pytho
     for what is wrong."""
     m = shmcache.PagedCacheManager(block_size=4, max_blocks=1024)
     try:
-        p, nat = m._p, m._p.native
+        p, nat = m.pool, m.pool.native
         t = m.create_block_table("t")
-        assert nat.table_ids(t._t, t._rh, p.slot, m._epoch) == []
+        assert nat.table_ids(t._t, t._rh, p.slot, m.internals.holder.epoch) == []
         for n in (6, 4 * 300):                  # 2 blocks, then 302 (21 chunks)
             m.prepare_append(t, n)
             ops = int(p.c[L.C_OPS])
             before = bytes(p.raw)
-            ids = nat.table_ids(t._t, t._rh, p.slot, m._epoch)
+            ids = nat.table_ids(t._t, t._rh, p.slot, m.internals.holder.epoch)
             assert int(p.c[L.C_OPS]) == ops and bytes(p.raw) == before      # no lock
             p.c[L.C_PURE] = 1                   # (as if a pure process were attached)
             try:
-                assert nat.table_ids(t._t, t._rh, p.slot, m._epoch) == ids
+                assert nat.table_ids(t._t, t._rh, p.slot, m.internals.holder.epoch) == ids
                 assert int(p.c[L.C_OPS]) == ops + 1                          # one hold
-                assert nat.table_ids(t._t, t._rh, p.slot, m._epoch + 1) is None  # stale view
+                assert nat.table_ids(t._t, t._rh, p.slot, m.internals.holder.epoch + 1) is None  # stale view
             finally:
                 p.c[L.C_PURE] = 0
             with p.lock:
-                assert ids == m._refs.table_blocks(t._t)
+                assert ids == m.internals.holder.refs.table_blocks(t._t)
             assert list(t.block_ids) == ids
         assert len(ids) == 302 and len(set(ids)) == 302
-        assert nat.table_ids(t._t, t._rh ^ 1, p.slot, m._epoch) is None       # not its id
-        assert nat.table_ids(t._t + 1, t._rh, p.slot, m._epoch) is None       # no table
-        assert nat.table_ids(-1, t._rh, p.slot, m._epoch) is None
+        assert nat.table_ids(t._t, t._rh ^ 1, p.slot, m.internals.holder.epoch) is None       # not its id
+        assert nat.table_ids(t._t + 1, t._rh, p.slot, m.internals.holder.epoch) is None       # no table
+        assert nat.table_ids(-1, t._rh, p.slot, m.internals.holder.epoch) is None
         with p.lock:
-            m._table_index(t)                   # this hold has the claim: not reentrant
-            assert nat.table_ids(t._t, t._rh, p.slot, m._epoch) is None
+            m.internals.tables.table_index(t)                   # this hold has the claim: not reentrant
+            assert nat.table_ids(t._t, t._rh, p.slot, m.internals.holder.epoch) is None
             assert list(t.block_ids) == ids     # (the Python path)
         g = m.create_block_table("gone")
         m.delete_block_table("gone")
-        assert nat.table_ids(g._t, g._rh, p.slot, m._epoch) is None
+        assert nat.table_ids(g._t, g._rh, p.slot, m.internals.holder.epoch) is None
         with pytest.raises(KeyError):
             g.block_ids
         # a chain whose tail is not its last chunk: refused (Python reads it)
         tail = int(p.t_tail[t._t])
         p.t_tail[t._t] = int(p.t_head[t._t])
         try:
-            assert nat.table_ids(t._t, t._rh, p.slot, m._epoch) is None
+            assert nat.table_ids(t._t, t._rh, p.slot, m.internals.holder.epoch) is None
         finally:
             p.t_tail[t._t] = tail
         # a link out of range: refused; the Python path raises
@@ -330,7 +331,7 @@ def test_table_ids_reads_under_the_claim_or_in_one_c_hold_and_refuses_what_pytho
         link = int(p.chunks["next"][head])
         p.chunks["next"][head] = p.layout.num_chunks + 5
         try:
-            assert nat.table_ids(t._t, t._rh, p.slot, m._epoch) is None
+            assert nat.table_ids(t._t, t._rh, p.slot, m.internals.holder.epoch) is None
             with pytest.raises(shmcache.CorruptPoolError):
                 t.block_ids
         finally:
@@ -348,29 +349,29 @@ def test_the_fused_acquire_counts_only_what_it_takes_and_refuses_a_stale_table()
     nothing changes, the statistics included."""
     m = shmcache.PagedCacheManager(block_size=4, max_blocks=32)
     try:
-        p, nat = m._p, m._p.native
+        p, nat = m.pool, m.pool.native
         src = m.create_block_table("src")
         tokens = list(range(12))
         m.prepare_append(src, 12)
         m.cache_full_blocks(src.block_ids, tokens, 0, 3)
         t = m.create_block_table("t")
-        hs = b"".join(m._hashes(tokens + [99] * 4, 4, None))       # 3 cached, then a miss
+        hs = b"".join(m.internals.ledger.hashes(tokens + [99] * 4, 4, None))       # 3 cached, then a miss
         hits, misses = int(p.c[L.C_HITS]), int(p.c[L.C_MISSES])
         before = bytes(p.raw)
         for args in ((t._t, t._rh ^ 1, hs), (t._t + 1, t._rh, hs), (t._t, t._rh, hs[:-1])):
-            assert nat.acquire(*args, 0.0, 4, p.slot, m._epoch) is None, args
-        assert nat.acquire(t._t, t._rh, hs, 0.0, 4, p.slot, m._epoch + 1) is None
+            assert nat.acquire(*args, 0.0, 4, p.slot, m.internals.holder.epoch) is None, args
+        assert nat.acquire(t._t, t._rh, hs, 0.0, 4, p.slot, m.internals.holder.epoch + 1) is None
         with p.lock:
-            assert nat.acquire(t._t, t._rh, hs, 0.0, 4, p.slot, m._epoch) is None
+            assert nat.acquire(t._t, t._rh, hs, 0.0, 4, p.slot, m.internals.holder.epoch) is None
         assert_unchanged_but_the_lock(p, before)
         want = src.block_ids
         ops = int(p.c[L.C_OPS])
-        got = nat.acquire(t._t, t._rh, hs, 0.0, 4, p.slot, m._epoch)
+        got = nat.acquire(t._t, t._rh, hs, 0.0, 4, p.slot, m.internals.holder.epoch)
         assert int(p.c[L.C_OPS]) == ops + 1 and got == want
         assert (int(p.c[L.C_HITS]), int(p.c[L.C_MISSES])) == (hits + 3, misses + 1)
         assert t.block_ids == got and t.num_tokens == 12 and p.c[L.C_DIRTY] == 0
         assert [m.blocks[b].ref_count for b in got] == [2, 2, 2]
-        assert nat.acquire(t._t, t._rh, b"", 0.0, 4, p.slot, m._epoch) == []   # nothing to look up
+        assert nat.acquire(t._t, t._rh, b"", 0.0, 4, p.slot, m.internals.holder.epoch) == []   # nothing to look up
         m.delete_block_table("t")
         m.delete_block_table("src")
         assert m.check() == [] and m.free_blocks == 31
@@ -390,7 +391,7 @@ def test_the_fused_lookup_and_add_block_take_the_lock_themselves_and_refuse_what
     loose moves into the table (the Python path: no new reference)."""
     m = shmcache.PagedCacheManager(block_size=4, max_blocks=32)
     try:
-        p, nat = m._p, m._p.native
+        p, nat = m.pool, m.pool.native
         src = m.create_block_table("src")
         tokens = list(range(12))
         m.prepare_append(src, 12)
@@ -398,36 +399,36 @@ def test_the_fused_lookup_and_add_block_take_the_lock_themselves_and_refuse_what
         want = src.block_ids
         m.delete_block_table("src")                 # cached, free
         t = m.create_block_table("t")
-        hs = b"".join(m._hashes(tokens + [99] * 4, 4, None))       # 3 cached, then a miss
+        hs = b"".join(m.internals.ledger.hashes(tokens + [99] * 4, 4, None))       # 3 cached, then a miss
         loose = m.get_new_blocks(1)[0].block_id      # (allocated loose: a reserve's mark)
         hits, misses, free = int(p.c[L.C_HITS]), int(p.c[L.C_MISSES]), int(p.c[L.C_NUM_FREE])
         before = bytes(p.raw)
-        assert nat.lookup(hs, -1.0, p.slot, m._epoch + 1) is None
-        assert nat.lookup(hs[:-1], -1.0, p.slot, m._epoch) is None
+        assert nat.lookup(hs, -1.0, p.slot, m.internals.holder.epoch + 1) is None
+        assert nat.lookup(hs[:-1], -1.0, p.slot, m.internals.holder.epoch) is None
         for args in ((t._t, t._rh ^ 1, want[0], 4), (t._t + 1, t._rh, want[0], 4),
                      (t._t, t._rh, 0, 4), (t._t, t._rh, 32, 4), (t._t, t._rh, want[0], 5),
                      (t._t, t._rh, want[0], -1), (t._t, t._rh, loose, 4)):
-            assert nat.add_block(*args, 4, 0.0, p.slot, m._epoch) is None, args
-        assert nat.add_block(t._t, t._rh, want[0], 4, 4, 0.0, p.slot, m._epoch + 1) is None
+            assert nat.add_block(*args, 4, 0.0, p.slot, m.internals.holder.epoch) is None, args
+        assert nat.add_block(t._t, t._rh, want[0], 4, 4, 0.0, p.slot, m.internals.holder.epoch + 1) is None
         with p.lock:
-            assert nat.lookup(hs, -1.0, p.slot, m._epoch) is None
-            assert nat.add_block(t._t, t._rh, want[0], 4, 4, 0.0, p.slot, m._epoch) is None
+            assert nat.lookup(hs, -1.0, p.slot, m.internals.holder.epoch) is None
+            assert nat.add_block(t._t, t._rh, want[0], 4, 4, 0.0, p.slot, m.internals.holder.epoch) is None
         assert_unchanged_but_the_lock(p, before)
         ops = int(p.c[L.C_OPS])
-        assert nat.lookup(hs, -1.0, p.slot, m._epoch) == want
+        assert nat.lookup(hs, -1.0, p.slot, m.internals.holder.epoch) == want
         assert int(p.c[L.C_OPS]) == ops + 1 and p.c[L.C_DIRTY] == 0
         assert (int(p.c[L.C_HITS]), int(p.c[L.C_MISSES])) == (hits + 3, misses + 1)
         assert [m.blocks[b].ref_count for b in want] == [0, 0, 0]
-        assert nat.add_block(t._t, t._rh, want[0], 4, 4, 0.0, p.slot, m._epoch) == 0
-        assert nat.add_block(t._t, t._rh, want[0], 3, 4, 0.0, p.slot, m._epoch) == 1
+        assert nat.add_block(t._t, t._rh, want[0], 4, 4, 0.0, p.slot, m.internals.holder.epoch) == 0
+        assert nat.add_block(t._t, t._rh, want[0], 3, 4, 0.0, p.slot, m.internals.holder.epoch) == 1
         assert t.block_ids == [want[0]] * 2 and t.num_tokens == 7
         assert m.blocks[want[0]].ref_count == 2 and m.blocks[want[0]].token_count == 3
         assert int(p.c[L.C_NUM_FREE]) == free - 1 and p.c[L.C_DIRTY] == 0
         # find_cached_block: the same lookup, of one hash, touching what it finds
         h0, m0 = int(p.c[L.C_HITS]), int(p.c[L.C_MISSES])
-        m._p.blocks["last_access"][want[1]] = 0.0
+        m.pool.blocks["last_access"][want[1]] = 0.0
         assert m.find_cached_block(tokens[:8]).block_id == want[1]
-        assert m._p.blocks["last_access"][want[1]] > 0.0
+        assert m.pool.blocks["last_access"][want[1]] > 0.0
         assert m.find_cached_block([5, 5, 5, 5]) is None
         assert (int(p.c[L.C_HITS]), int(p.c[L.C_MISSES])) == (h0 + 1, m0 + 1)
         # through the manager: the seed's calls
@@ -436,7 +437,7 @@ def test_the_fused_lookup_and_add_block_take_the_lock_themselves_and_refuse_what
         m.add_block_to_table(t, got[1], 4)
         m.add_block_to_table(t, loose, 2)           # held loose: moved, no new reference
         assert t.block_ids == [want[0]] * 2 + [want[1], loose] and t.num_tokens == 13
-        assert m.blocks[loose].ref_count == 1 and m._refs.loose.count(loose) == 0
+        assert m.blocks[loose].ref_count == 1 and m.internals.holder.refs.loose.count(loose) == 0
         for bad in ((0, 4), (want[2], 5), (want[2], True)):
             with pytest.raises((ValueError, TypeError)):
                 m.add_block_to_table(t, *bad)
@@ -451,23 +452,23 @@ def test_the_fused_lookup_and_add_block_take_the_lock_themselves_and_refuse_what
 def test_the_fused_new_table_takes_the_lock_itself_and_refuses_what_python_raises_for():
     m = shmcache.PagedCacheManager(block_size=4, max_blocks=32, max_tables=2)
     try:
-        p, nat = m._p, m._p.native
+        p, nat = m.pool, m.pool.native
         raw, h = rid_key("a")
         ops, n = int(p.c[L.C_OPS]), int(p.c[L.C_NUM_TABLES])
-        t = nat.new_table(raw, h, p.slot, m._epoch)
+        t = nat.new_table(raw, h, p.slot, m.internals.holder.epoch)
         assert t is not None and int(p.c[L.C_OPS]) == ops + 1
         assert int(p.c[L.C_NUM_TABLES]) == n + 1 and p.c[L.C_DIRTY] == 0
         assert m.get_block_table("a")._t == t
         before = bytes(p.raw)
-        assert nat.new_table(raw, h, p.slot, m._epoch) is None          # taken
+        assert nat.new_table(raw, h, p.slot, m.internals.holder.epoch) is None          # taken
         raw_b, h_b = rid_key("b")
-        assert nat.new_table(raw_b, h_b, p.slot, m._epoch + 1) is None  # stale view
-        assert nat.new_table(raw_b, h_b, -1, m._epoch) is None
+        assert nat.new_table(raw_b, h_b, p.slot, m.internals.holder.epoch + 1) is None  # stale view
+        assert nat.new_table(raw_b, h_b, -1, m.internals.holder.epoch) is None
         with p.lock:                                                    # held here
-            assert nat.new_table(raw_b, h_b, p.slot, m._epoch) is None
+            assert nat.new_table(raw_b, h_b, p.slot, m.internals.holder.epoch) is None
         assert_unchanged_but_the_lock(p, before)
         m.create_block_table("b")
-        assert nat.new_table(*rid_key("c"), p.slot, m._epoch) is None   # no table free
+        assert nat.new_table(*rid_key("c"), p.slot, m.internals.holder.epoch) is None   # no table free
         with pytest.raises(shmcache.CapacityError):
             m.create_block_table("c")                                   # (the Python path says why)
         with pytest.raises(ValueError):
@@ -483,18 +484,18 @@ def test_the_fused_new_table_takes_the_lock_itself_and_refuses_what_python_raise
 def test_the_fused_delete_table_takes_the_lock_itself_and_refuses_what_python_raises_for():
     m = shmcache.PagedCacheManager(block_size=4, max_blocks=32)
     try:
-        p, nat = m._p, m._p.native
+        p, nat = m.pool, m.pool.native
         t = m.create_block_table("a")
         m.prepare_append(t, 6)
         before = bytes(p.raw)
-        assert nat.delete_table(*rid_key("zz"), p.slot, m._epoch) is None     # no such table
-        assert nat.delete_table(*rid_key("a"), p.slot, m._epoch + 1) is None   # stale view
-        assert nat.delete_table(*rid_key("a"), -1, m._epoch) is None
+        assert nat.delete_table(*rid_key("zz"), p.slot, m.internals.holder.epoch) is None     # no such table
+        assert nat.delete_table(*rid_key("a"), p.slot, m.internals.holder.epoch + 1) is None   # stale view
+        assert nat.delete_table(*rid_key("a"), -1, m.internals.holder.epoch) is None
         with p.lock:                                                          # held here
-            assert nat.delete_table(*rid_key("a"), p.slot, m._epoch) is None
+            assert nat.delete_table(*rid_key("a"), p.slot, m.internals.holder.epoch) is None
         assert_unchanged_but_the_lock(p, before)
         ops, n = int(p.c[L.C_OPS]), int(p.c[L.C_NUM_TABLES])
-        assert nat.delete_table(*rid_key("a"), p.slot, m._epoch) == t._t
+        assert nat.delete_table(*rid_key("a"), p.slot, m.internals.holder.epoch) == t._t
         assert int(p.c[L.C_OPS]) == ops + 1 and int(p.c[L.C_NUM_TABLES]) == n - 1
         assert p.c[L.C_DIRTY] == 0 and m.get_block_table("a") is None
         assert m.free_blocks == 31 and m.check() == []

@@ -241,7 +241,7 @@ def test_check_of_a_pool_with_a_full_prefix_index_returns(manager):
     signal.alarm(20)
     try:
         manager.get_new_blocks(3)
-        manager._p.hidx[:] = 1
+        manager.pool.hidx[:] = 1
         problems = manager.check()
     finally:
         signal.alarm(0)

@@ -186,7 +186,7 @@ def test_read_takes_every_form_of_id_list(make_pool):
     """Plain int lists, tuples, numpy ints, numpy arrays and
     generators all read the same blocks."""
     m = kv_pool(make_pool, "float32")
-    m._p.arena[...] = np.random.default_rng(5).standard_normal(m._p.arena.shape)
+    m.pool.arena[...] = np.random.default_rng(5).standard_normal(m.pool.arena.shape)
     want = [np.array(x) for x in m.read_kv([3, 0, 15, 3], 1)]
     for ids in ((3, 0, 15, 3), [np.int64(3), 0, np.int32(15), 3], iter([3, 0, 15, 3]),
                 np.array([3, 0, 15, 3])):
@@ -222,10 +222,10 @@ def test_default_pool_has_small_arena():
 # ---------------------------------------------------------------- whose block
 def test_write_refuses_the_null_block(make_pool):
     m = kv_pool(make_pool)
-    before = m._p.arena[:, 0].tobytes()
+    before = m.pool.arena[:, 0].tobytes()
     with pytest.raises(ValueError, match="null block"):
         m.write_kv(0, 0, rand(1), rand(2))
-    assert m._p.arena[:, 0].tobytes() == before
+    assert m.pool.arena[:, 0].tobytes() == before
 
 
 def test_write_refuses_blocks_not_held(make_pool):
@@ -240,10 +240,10 @@ def test_write_refuses_blocks_not_held(make_pool):
         mine = m.allocate_block().block_id
         m.free_block(mine)                           # free again
         for b in (theirs, mine, 9):
-            before = m._p.arena[:, b].tobytes()
+            before = m.pool.arena[:, b].tobytes()
             with pytest.raises(ValueError, match=f"block {b} is not held by this manager"):
                 m.write_kv(b, 0, rand(3), rand(4))
-            assert m._p.arena[:, b].tobytes() == before
+            assert m.pool.arena[:, b].tobytes() == before
         assert m.check() == []
     finally:
         other.close()
@@ -289,14 +289,14 @@ def test_write_refuses_non_float_arrays(make_pool, dtype, bad):
     m = kv_pool(make_pool, dtype)
     b = m.allocate_block().block_id
     m.write_kv(b, 0, rand(1, dtype=dtype), rand(2, dtype=dtype))
-    before = m._p.arena[:, b].tobytes()
+    before = m.pool.arena[:, b].tobytes()
     x = (mx.ones((H, T, D), dtype=bad) if isinstance(bad, mx.Dtype)
          else np.ones((H, T, D), dtype=bad))
     with pytest.raises(TypeError, match="floating-point|bfloat16 pool takes"):
         m.write_kv(b, 0, x, x)
     with pytest.raises(TypeError):
         m.write_kv(b, 0, rand(3, dtype=dtype), x)     # either one
-    assert m._p.arena[:, b].tobytes() == before
+    assert m.pool.arena[:, b].tobytes() == before
 
 
 def test_write_converts_numpy_floats(make_pool):

@@ -65,13 +65,13 @@ def test_every_way_of_reading_agrees(make_pool, monkeypatch, dtype, way):
     later writes."""
     m = kv_pool(make_pool, dtype, layers=2)
     rng = np.random.default_rng(3)
-    m._p.arena[...] = rng.integers(0, 1 << 14, m._p.arena.shape).astype(m._p.arena.dtype)
+    m.pool.arena[...] = rng.integers(0, 1 << 14, m.pool.arena.shape).astype(m.pool.arena.dtype)
     use_way(monkeypatch, way)
     ids = [9, 2, 2, 15, 0, 7]
-    want = layer_kv(m._p.arena, ids, 1)
+    want = layer_kv(m.pool.arena, ids, 1)
     got = m.read_kv(ids, 1)
     again = m.read_kv(ids, 1)
-    m._p.arena[...] = 0
+    m.pool.arena[...] = 0
     for g, w in zip(got + again, want + want):
         assert g.dtype == MXDT[dtype] and g.shape == (H, len(ids) * T, D)
         raw = g.view(mx.uint16) if dtype == "bfloat16" else g
@@ -90,9 +90,9 @@ def test_large_read_is_exact_and_independent(make_pool, monkeypatch, dtype, way)
     m = make_pool(block_size=t, max_blocks=n + 40, num_layers=2, num_kv_heads=h,
                   head_dim=d, dtype=dtype)
     rng = np.random.default_rng(0)
-    m._p.arena[...] = rng.integers(0, 1 << 14, m._p.arena.shape).astype(m._p.arena.dtype)
+    m.pool.arena[...] = rng.integers(0, 1 << 14, m.pool.arena.shape).astype(m.pool.arena.dtype)
     ids = rng.permutation(np.arange(n + 40))[:n].tolist()
-    want = layer_kv(m._p.arena, ids, 1)
+    want = layer_kv(m.pool.arena, ids, 1)
     rk, rv = m.read_kv(ids, 1)
     rk2, _ = m.read_kv(ids, 1)
 
@@ -105,8 +105,8 @@ def test_large_read_is_exact_and_independent(make_pool, monkeypatch, dtype, way)
     assert len(set(ptrs)) == 3
     if way == "native":
         for x, kv in ((rk, 0), (rv, 1)):
-            assert np_of(x).ctypes.data % 4096 == m._p.arena[1, 0, kv].ctypes.data % 4096
-    m._p.arena[...] = 0                            # later writes do not show through
+            assert np_of(x).ctypes.data % 4096 == m.pool.arena[1, 0, kv].ctypes.data % 4096
+    m.pool.arena[...] = 0                            # later writes do not show through
     assert np.array_equal(np_of(rk), want[0])
 
 

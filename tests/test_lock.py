@@ -25,21 +25,21 @@ def test_a_repair_that_raises_releases_the_lock_and_leaves_the_pool_dirty(make_p
     owner = make_pool()
     other = shmcache.attach(owner.name)
     try:
-        owner._p.c[L.C_DIRTY] = 1           # as if a holder died mid-update
+        owner.pool.c[L.C_DIRTY] = 1           # as if a holder died mid-update
         real = recovery.repair
 
         def broken(p):
-            if p is other._p:
+            if p is other.pool:
                 raise RuntimeError("repair failed")
             real(p)
         monkeypatch.setattr(recovery, "repair", broken)
         with pytest.raises(RuntimeError, match="repair failed"):
             other.allocate_block()
-        assert other._p.c[L.C_DIRTY] == 1  # the next holder must repair
+        assert other.pool.c[L.C_DIRTY] == 1  # the next holder must repair
         assert not lock_is_busy(segment.path_for(owner.name))   # nobody holds it now
         assert owner.allocate_block() is not None   # owner repairs and goes on
-        assert owner._p.c[L.C_DIRTY] == 0 and owner.check() == []
-        assert owner._p.c[L.C_RECOVERIES] >= 1
+        assert owner.pool.c[L.C_DIRTY] == 0 and owner.check() == []
+        assert owner.pool.c[L.C_RECOVERIES] >= 1
     finally:
         other.close()
 
@@ -89,7 +89,7 @@ def _widen_close_window(m):
     """Make the (real, tiny) window between close's lock release and
     unmap() long enough to hit deterministically; returns the event set
     when the window opens."""
-    p = m._p
+    p = m.pool
     orig = p.unmap
     opened = threading.Event()
 
@@ -135,7 +135,7 @@ def test_concurrent_close_does_not_release_the_last_slot(make_pool):
     creator = make_pool(max_slots=3)                 # slot 0
     m = shmcache.attach(creator.name)                # slot 1
     victim = shmcache.attach(creator.name)           # slot 2 == slot -1
-    assert victim._p.slot == 2
+    assert victim.pool.slot == 2
     held = victim.get_new_blocks(3)
     opened = _widen_close_window(m)
     errors = []
@@ -172,8 +172,9 @@ def test_finalizer_inside_another_managers_lock_does_not_deadlock(pool_name):
         try:
             other = shmcache.attach({pool_name!r})
             other.allocate_block()
-            del other                  # in a reference cycle: the GC collects it
-            with creator._p.lock:      # as inside any op of creator
+            other.cycle = other        # a reference cycle: only the cyclic GC collects it
+            del other
+            with creator.pool.lock:      # as inside any op of creator
                 gc.collect()
             assert creator.check() == [], creator.check()
             assert creator.reclaim_dead() == 1

@@ -33,7 +33,7 @@ def released(mgr) -> None:
     assert mgr.free_blocks == mgr.max_blocks - 1
     assert len(mgr.request_tables) == 0
     hold = mgr.holdings()
-    assert [h["slot"] for h in hold] == [mgr._p.slot], hold
+    assert [h["slot"] for h in hold] == [mgr.pool.slot], hold
     assert hold[0]["tables"] == hold[0]["loose_blocks"] == 0
     s = mgr.get_stats()
     assert s.allocated_blocks == 1 and s.shared_blocks == 0 and s.tokens_held == 0
@@ -45,7 +45,7 @@ def test_four_independent_processes_random_work(make_pool, spawn):
     mgr = make_pool(max_blocks=160, max_tables=256, max_refs=4096, **LAYOUT)
     workers = [spawn("random", mgr.name, seed, 3.5) for seed in (11, 22, 33, 44)]
     slots = [w.ready() for w in workers]
-    assert len(set(slots + [mgr._p.slot])) == 5
+    assert len(set(slots + [mgr.pool.slot])) == 5
     hold = {h["pid"]: h for h in mgr.holdings()}
     assert set(hold) == {os.getpid()} | {w.pid for w in workers}
     assert all(h["alive"] for h in hold.values())
@@ -120,13 +120,13 @@ def test_lock_excludes_across_processes(make_pool, spawn, tmp_path):
     assert got["stats"].allocated_blocks == 1 + 3 + 1   # null + child's 3 + ours
 
     # And the other way round: the parent holds the lock, the child waits.
-    with mgr._p.lock:
+    with mgr.pool.lock:
         child.request("stats")
         wait_for_lock_waiter(path, child.pid)
         mine = [b.block_id for b in mgr.get_new_blocks(2)]
     st = child.result()
     assert st["allocated_blocks"] == 1 + 3 + 1 + 2        # saw our change, made under the lock
-    assert mgr._p.c[L.C_LOCK_WAIT_NS] > 0
+    assert mgr.pool.c[L.C_LOCK_WAIT_NS] > 0
     mgr.free_block_batch([got["block"]] + mine)
     child.call("free", ids=child_blocks)
     child.stop()

@@ -38,10 +38,10 @@ def test_the_two_implementations_exclude_each_other_across_processes(make_pool, 
     child.ready()
     if not pure:
         assert child.call("native") == "RobustMutex"
-        assert type(mgr._p.native).__name__ == "Hot"
+        assert type(mgr.pool.native).__name__ == "Hot"
     else:
         python_only(mgr)
-        mgr._p.native = mgr._p.lock.native = shlock.reference_mutex(mgr._p.mm)
+        mgr.pool.native = mgr.pool.lock.native = shlock.reference_mutex(mgr.pool.mm)
     assert child.call("lock_enter") is True
     assert lock_is_busy(segment.path_for(mgr.name))
     got = {}
@@ -89,7 +89,7 @@ def test_a_dead_holder_hands_the_lock_on_and_marks_the_pool_dirty(make_pool, pur
     try:
         assert proc.stdout.readline().strip() == "locked"
         assert lock_is_busy(segment.path_for(mgr.name))
-        assert mgr._p.c[L.C_DIRTY] == 0
+        assert mgr.pool.c[L.C_DIRTY] == 0
         proc.stdin.write("\n")
         proc.stdin.flush()
         assert proc.wait(timeout=20) == 0
@@ -99,45 +99,45 @@ def test_a_dead_holder_hands_the_lock_on_and_marks_the_pool_dirty(make_pool, pur
     m = shlock.open_mutex(mm) if not pure else shlock.reference_mutex(mm)
     try:
         assert m.trylock() == 1                 # taken from the dead holder
-        assert mgr._p.c[L.C_DIRTY] == 1         # ... and the pool marked for repair
+        assert mgr.pool.c[L.C_DIRTY] == 1         # ... and the pool marked for repair
         m.unlock()
         assert m.trylock() == 0                 # consistent again
         m.unlock()
     finally:
         m.release()
         mm.close()
-    recoveries = mgr._p.c[L.C_RECOVERIES]
+    recoveries = mgr.pool.c[L.C_RECOVERIES]
     assert mgr.allocate_block() is not None    # the next holder repairs
-    assert mgr._p.c[L.C_RECOVERIES] == recoveries + 1
-    assert mgr._p.c[L.C_DIRTY] == 0 and mgr.check() == []
+    assert mgr.pool.c[L.C_RECOVERIES] == recoveries + 1
+    assert mgr.pool.c[L.C_DIRTY] == 0 and mgr.check() == []
     assert [b.ref_count for b in held] == [1, 1]
 
 
 @needs_c
 def test_a_self_deadlock_raises_instead_of_hanging(make_pool):
     mgr = make_pool()
-    with mgr._p.lock:
-        assert mgr._p.native.trylock() == -1    # error-checking: never taken twice
+    with mgr.pool.lock:
+        assert mgr.pool.native.trylock() == -1    # error-checking: never taken twice
         with pytest.raises(OSError) as e:
-            mgr._p.native.lock()
+            mgr.pool.native.lock()
         assert e.value.errno == __import__("errno").EDEADLK
 
 
 @needs_c
 def test_released_mapping_is_refused_not_touched(make_pool):
     mgr = make_pool()
-    h = shlock.open_hot(mgr._p.mm, mgr._p.layout, mgr._p.created_at)
+    h = shlock.open_hot(mgr.pool.mm, mgr.pool.layout, mgr.pool.created_at)
     h.release()
     with pytest.raises(ValueError, match="released"):
         h.trylock()
     with pytest.raises(ValueError, match="released"):
-        h.alloc(1, mgr._p.slot, mgr._epoch, mgr._refs.loose.buf)
+        h.alloc(1, mgr.pool.slot, mgr.internals.holder.epoch, mgr.internals.holder.refs.loose.buf)
 
 
 def _state(m):
     """Everything the fused paths touch, minus what differs between two pools
     by construction (seeds, times, lock bookkeeping)."""
-    p = m._p
+    p = m.pool
     b = p.blocks
     c = p.counters.copy()
     c[LOCK_COUNTERS] = 0
@@ -145,7 +145,7 @@ def _state(m):
             b["flags"].tobytes(), b["token_count"].tobytes(), b["gen"].tobytes(),
             p.chunks.tobytes(),
             p.slots["loose_head"].tobytes(), p.slots["loose_count"].tobytes(), c.tobytes(),
-            m._refs.loose.buf.tobytes())
+            m.internals.holder.refs.loose.buf.tobytes())
 
 
 def _drive(m, seed: int) -> list:
@@ -194,7 +194,7 @@ def _drive(m, seed: int) -> list:
             if b in held:
                 held.remove(b)
                 log.append(("x", m.free_block(b)))
-            elif m._p.b_ref[b] == 0:
+            elif m.pool.b_ref[b] == 0:
                 log.append(("x", m.free_block(b)))      # unknown block: False
     for b in held:
         m.free_block(b)
@@ -206,13 +206,13 @@ def test_the_c_fast_paths_leave_the_same_state_as_the_python_ones():
     a = shmcache.PagedCacheManager(block_size=4, max_blocks=48)
     b = python_only(shmcache.PagedCacheManager(block_size=4, max_blocks=48))
     try:
-        b._root = a._root                        # same chain hashes in both
+        b.internals.ledger.root = a.internals.ledger.root                        # same chain hashes in both
         for seed in range(4):
             la, lb = _drive(a, seed), _drive(b, seed)
             assert la == lb
             assert _state(a) == _state(b)
             assert a.check() == [] and b.check() == []
-        assert a._p.c[L.C_OPS] > 0 and b._p.c[L.C_OPS] > 0
+        assert a.pool.c[L.C_OPS] > 0 and b.pool.c[L.C_OPS] > 0
     finally:
         a.close()
         b.close()
@@ -221,22 +221,22 @@ def test_the_c_fast_paths_leave_the_same_state_as_the_python_ones():
 @needs_c
 def test_the_c_fast_path_refuses_a_stale_view_and_a_dirty_pool(make_pool):
     mgr = make_pool(max_blocks=16)
-    nat, p = mgr._p.native, mgr._p
+    nat, p = mgr.pool.native, mgr.pool
     before = p.counters.copy()
-    assert nat.alloc(1, p.slot, mgr._epoch + 1, mgr._refs.loose.buf) is None   # stale epoch
+    assert nat.alloc(1, p.slot, mgr.internals.holder.epoch + 1, mgr.internals.holder.refs.loose.buf) is None   # stale epoch
     p.c[L.C_DIRTY] = 1
-    assert nat.alloc(1, p.slot, mgr._epoch, mgr._refs.loose.buf) is None       # dirty
-    assert nat.free([1], p.slot, mgr._epoch, mgr._refs.loose.buf) is None
+    assert nat.alloc(1, p.slot, mgr.internals.holder.epoch, mgr.internals.holder.refs.loose.buf) is None       # dirty
+    assert nat.free([1], p.slot, mgr.internals.holder.epoch, mgr.internals.holder.refs.loose.buf) is None
     p.c[L.C_DIRTY] = 0
     after = p.counters.copy()
     for c in (L.C_OPS, L.C_TURN_NEXT, L.C_TURN_NOW):    # (the holds' bookkeeping)
         before[c] = after[c] = 0
-    assert (before == after).all() and len(mgr._refs.loose) == 0
+    assert (before == after).all() and len(mgr.internals.holder.refs.loose) == 0
     # not held loose (as many times as listed): None, and nothing changes
-    got = nat.alloc(2, p.slot, mgr._epoch, mgr._refs.loose.buf)
-    assert len(got) == 2 and mgr._refs.loose.blocks() == sorted(got)
+    got = nat.alloc(2, p.slot, mgr.internals.holder.epoch, mgr.internals.holder.refs.loose.buf)
+    assert len(got) == 2 and mgr.internals.holder.refs.loose.blocks() == sorted(got)
     for bad in ([got[0], got[0]], [got[0], 0], [got[0], 99], [got[0], True], [got[0], 7]):
-        assert nat.free(bad, p.slot, mgr._epoch, mgr._refs.loose.buf) is None, bad
-    assert mgr.check() == [] and mgr._refs.loose.blocks() == sorted(got)
-    assert nat.free(got, p.slot, mgr._epoch, mgr._refs.loose.buf) == 2
-    assert len(mgr._refs.loose) == 0 and mgr.free_blocks == 15 and mgr.check() == []
+        assert nat.free(bad, p.slot, mgr.internals.holder.epoch, mgr.internals.holder.refs.loose.buf) is None, bad
+    assert mgr.check() == [] and mgr.internals.holder.refs.loose.blocks() == sorted(got)
+    assert nat.free(got, p.slot, mgr.internals.holder.epoch, mgr.internals.holder.refs.loose.buf) == 2
+    assert len(mgr.internals.holder.refs.loose) == 0 and mgr.free_blocks == 15 and mgr.check() == []

@@ -28,7 +28,7 @@ pytestmark = [needs_c, pytest.mark.timeout(120)]
 
 
 def _turns(m):
-    return int(m._p.c[L.C_TURN_NEXT]), int(m._p.c[L.C_TURN_NOW])
+    return int(m.pool.c[L.C_TURN_NEXT]), int(m.pool.c[L.C_TURN_NOW])
 
 
 def test_a_turn_nobody_takes_is_skipped_and_the_wait_logged(make_pool):
@@ -36,11 +36,11 @@ def test_a_turn_nobody_takes_is_skipped_and_the_wait_logged(make_pool):
     handed out by hand): the op behind it waits TURN_GRACE polls with the
     lock free, skips it, and runs."""
     m = make_pool(max_blocks=16)
-    nat = m._p.native
+    nat = m.pool.native
     m.free_block_batch(m.get_new_blocks(2))
     nxt, now = _turns(m)
     assert nxt == now > 0                           # each op took a turn and handed it on
-    m._p.c[L.C_TURN_NEXT] += 1                      # the dead waiter's turn
+    m.pool.c[L.C_TURN_NEXT] += 1                      # the dead waiter's turn
     nat.log_waits(True)
     try:
         got = m.get_new_blocks(3)
@@ -49,7 +49,7 @@ def test_a_turn_nobody_takes_is_skipped_and_the_wait_logged(make_pool):
         nat.log_waits(False)
     assert len(got) == 3 and m.check() == []
     assert len(waits) == 1 and 0 < waits[0] < 10**9, waits
-    assert int(m._p.c[L.C_LOCK_WAIT_NS]) >= waits[0]       # inspect's longest wait
+    assert int(m.pool.c[L.C_LOCK_WAIT_NS]) >= waits[0]       # inspect's longest wait
     assert _turns(m) == (nxt + 2, nxt + 2)          # skipped, then handed on
     m.free_block_batch(got)
     assert _turns(m) == (nxt + 3, nxt + 3)
@@ -80,12 +80,12 @@ def test_a_holder_killed_in_its_turn_is_skipped_and_its_update_repaired(make_poo
                             env=ENV)
     try:
         assert proc.stdout.readline().strip() == "holding"
-        rec = int(m._p.c[L.C_RECOVERIES])
+        rec = int(m.pool.c[L.C_RECOVERIES])
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
         more = m.get_new_blocks(3)                  # skips the dead turn, finds the owner died
         assert len(more) == 3 and m.check() == []
-        assert int(m._p.c[L.C_RECOVERIES]) == rec + 1
+        assert int(m.pool.c[L.C_RECOVERIES]) == rec + 1
         m.free_block_batch(held + more)
         nxt, now = _turns(m)
         assert nxt == now and m.free_blocks == 15
@@ -140,7 +140,7 @@ def test_a_fused_op_beside_a_python_hold_of_its_own_process_needing_the_gil(make
     out = {}
 
     def hold():
-        with m._p.lock:                              # the Python path: no turn
+        with m.pool.lock:                              # the Python path: no turn
             end, n = time.monotonic() + 0.3, 0
             while time.monotonic() < end:            # pure Python: it needs the GIL
                 n += 1

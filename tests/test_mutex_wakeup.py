@@ -173,7 +173,7 @@ def test_a_lock_word_naming_a_dead_thread_is_taken_over(make_pool, pure):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(timeout=20)                      # its pid (= its thread id) is gone
     import ctypes
-    ctypes.c_uint32.from_buffer(mgr._p.mm, L.MUTEX_OFF).value = dead.pid
+    ctypes.c_uint32.from_buffer(mgr.pool.mm, L.MUTEX_OFF).value = dead.pid
     assert native.trylock() == -1              # looks held
     got = {}
     th = threading.Thread(target=lambda: got.setdefault("b", mgr.allocate_block()), daemon=True)
@@ -192,9 +192,9 @@ def test_a_lock_word_naming_a_dead_thread_is_taken_over(make_pool, pure):
 # on many processes turned one fallback into a convoy.
 
 def _alloc_in_thread(mgr):
-    native, got = mgr._p.native, {}
+    native, got = mgr.pool.native, {}
     th = threading.Thread(target=lambda: got.setdefault(
-        "ids", native.alloc(1, mgr._p.slot, mgr._epoch, mgr._refs.loose.buf)), daemon=True)
+        "ids", native.alloc(1, mgr.pool.slot, mgr.internals.holder.epoch, mgr.internals.holder.refs.loose.buf)), daemon=True)
     th.start()
     wait_for_lock_waiter(segment.path_for(mgr.name), os.getpid())   # asleep in futex()
     return th, got
@@ -204,22 +204,22 @@ def _alloc_in_thread(mgr):
 @pytest.mark.timeout(60)
 def test_a_fused_alloc_that_finds_the_lock_busy_waits_its_turn_in_c(make_pool):
     mgr = make_pool(max_blocks=16)
-    native = mgr._p.native
+    native = mgr.pool.native
     holder = start_holder(mgr.name, False)
     try:
         native.log_waits(True)
         th, got = _alloc_in_thread(mgr)
-        ops = int(mgr._p.c[L.C_OPS])
+        ops = int(mgr.pool.c[L.C_OPS])
         tell(holder, "unlock")
         th.join(timeout=10)
         assert not th.is_alive()
         # done in C after its wait (the slow path would have returned None)
         assert isinstance(got["ids"], list) and len(got["ids"]) == 1
-        assert int(mgr._p.c[L.C_OPS]) == ops + 1
+        assert int(mgr.pool.c[L.C_OPS]) == ops + 1
         waits = native.take_waits()
         assert len(waits) == 1 and waits[0] > 0 and native.take_waits() == []
-        assert mgr._refs.loose.blocks() == got["ids"]
-        assert native.free(got["ids"], mgr._p.slot, mgr._epoch, mgr._refs.loose.buf) == 1
+        assert mgr.internals.holder.refs.loose.blocks() == got["ids"]
+        assert native.free(got["ids"], mgr.pool.slot, mgr.internals.holder.epoch, mgr.internals.holder.refs.loose.buf) == 1
     finally:
         native.log_waits(False)
         tell(holder, "exit")
@@ -241,10 +241,10 @@ def test_a_fused_alloc_whose_holder_dies_while_it_waits_leaves_the_repair_to_the
         assert not th.is_alive()
         # it got the lock from the dead holder: the pool is marked for repair,
         # so the retry changed nothing and left the op to the slow path
-        assert got["ids"] is None and mgr._p.c[L.C_DIRTY] == 1
+        assert got["ids"] is None and mgr.pool.c[L.C_DIRTY] == 1
     finally:
         holder.kill()
-    recoveries = int(mgr._p.c[L.C_RECOVERIES])
+    recoveries = int(mgr.pool.c[L.C_RECOVERIES])
     b = mgr.allocate_block()                   # the slow path repairs, then allocates
-    assert b is not None and int(mgr._p.c[L.C_RECOVERIES]) == recoveries + 1
-    assert mgr._p.c[L.C_DIRTY] == 0 and mgr.check() == []
+    assert b is not None and int(mgr.pool.c[L.C_RECOVERIES]) == recoveries + 1
+    assert mgr.pool.c[L.C_DIRTY] == 0 and mgr.check() == []

@@ -234,7 +234,7 @@ def test_get_stats_equals_full_scan_after_random_ops(pair):
     assert m.check() == []
     held = len(loose[id(m)]) + len(loose[id(other)])
     assert sum(len(m.get_block_table(t)) for t in tables) + held + 1 == \
-        sum(m._p.b_ref[b] for b in range(32))
+        sum(m.pool.b_ref[b] for b in range(32))
 
 
 def test_shared_blocks_stat_does_not_drift(manager):

@@ -97,7 +97,7 @@ def test_sigkill_random_workers_many_times(make_pool, spawn):
     rng = random.Random(1234)
     seeds = iter(range(100, 10_000))
     kills, scribble_kills, reclaimed_by_us = 0, 0, 0
-    recoveries0 = mgr._p.c[L.C_RECOVERIES]
+    recoveries0 = mgr.pool.c[L.C_RECOVERIES]
 
     def new_random():
         w = spawn("random", mgr.name, next(seeds), 120)
@@ -156,8 +156,8 @@ def test_sigkill_random_workers_many_times(make_pool, spawn):
     for s in finished:
         assert s["steps"] > 0
         assert s["max_latency"] < BLOCKED_BOUND, s   # no survivor was ever blocked long
-    assert mgr._p.c[L.C_RECOVERIES] - recoveries0 >= scribble_kills
-    assert mgr._p.c[L.C_RECLAIMED] > 0 and reclaimed_by_us > 0
+    assert mgr.pool.c[L.C_RECOVERIES] - recoveries0 >= scribble_kills
+    assert mgr.pool.c[L.C_RECLAIMED] > 0 and reclaimed_by_us > 0
     assert mgr.check() == []
     assert mgr.free_blocks == mgr.max_blocks - 1
     assert len(mgr.request_tables) == 0
@@ -242,7 +242,7 @@ def test_reused_pid_is_not_taken_for_a_live_holder(make_pool, spawn, start_time)
     dead_pid = doomed.pid
     doomed.kill()
 
-    slots = mgr._p.slots
+    slots = mgr.pool.slots
     # the dead slot now claims to be us, a live process
     slots["pid"][dslot] = os.getpid()
     slots["start_time"][dslot] = (psutil.Process().create_time() if start_time == "matching"

@@ -49,8 +49,8 @@ def test_killed_mid_update_under_the_lock(make_pool, spawn, kind):
     w.call("add", rid="victim", block=blocks[1], tokens=2)
     w.call("scribble", kind=kind)
     assert lock_is_held_elsewhere(mgr)
-    assert mgr._p.c[L.C_DIRTY] == 1
-    recoveries = mgr._p.c[L.C_RECOVERIES]
+    assert mgr.pool.c[L.C_DIRTY] == 1
+    recoveries = mgr.pool.c[L.C_RECOVERIES]
 
     # A second process and our own thread wait on the lock while it is held.
     path = segment.path_for(mgr.name)
@@ -69,8 +69,8 @@ def test_killed_mid_update_under_the_lock(make_pool, spawn, kind):
     waiter.ready(timeout=30)                         # attached after the death, not blocked
     assert waiter.call("stats", timeout=10)["total_blocks"] == 32
 
-    assert mgr._p.c[L.C_DIRTY] == 0
-    assert mgr._p.c[L.C_RECOVERIES] == recoveries + 1
+    assert mgr.pool.c[L.C_DIRTY] == 0
+    assert mgr.pool.c[L.C_RECOVERIES] == recoveries + 1
     assert mgr.check() == []
     assert dead_entries(mgr) == []
     # The dead one's 3 blocks (2 in its table, 1 loose) were released by the
@@ -133,7 +133,7 @@ def test_killed_holding_the_lock_blocks_nobody(make_pool, spawn):
     for w in (holder, a, b):
         w.ready()
     holder.call("alloc", n=1)
-    reclaimed0 = mgr._p.c[L.C_RECLAIMED]
+    reclaimed0 = mgr.pool.c[L.C_RECLAIMED]
     assert holder.call("lock_enter") is True
     a.request("alloc", n=2)
     b.request("stats")
@@ -149,7 +149,7 @@ def test_killed_holding_the_lock_blocks_nobody(make_pool, spawn):
     # whoever took the lock first repaired the pool and released the dead one's block
     mgr.reclaim_dead()
     assert dead_entries(mgr) == []
-    assert mgr._p.c[L.C_RECLAIMED] == reclaimed0 + 1
+    assert mgr.pool.c[L.C_RECLAIMED] == reclaimed0 + 1
     assert mgr.free_blocks == 15 - 2
     for w in (a, b):
         w.stop()
@@ -179,8 +179,8 @@ def test_a_repairer_killed_in_its_hold_is_the_holder_waited_for(make_pool, spawn
     p2.ready()
     s2 = _slot_of(mgr, p2.pid)
     assert p2.call("lock_enter") is True             # repairs, frees s1, keeps the lock
-    assert mgr._p.c[L.C_DIRTY] == 1
-    assert mgr._p.c[L.C_HOLDER] == s2, "the repairer did not name itself the holder"
+    assert mgr.pool.c[L.C_DIRTY] == 1
+    assert mgr.pool.c[L.C_HOLDER] == s2, "the repairer did not name itself the holder"
     p2.kill()
     p3 = spawn("serve", mgr.name)                    # attaches into the freed slot s1
     p3.ready()
@@ -205,16 +205,16 @@ def test_repair_cuts_a_list_at_an_id_naming_no_block(manager):
     list keeps its good ids: the lists are the truth only as far as they
     make sense."""
     from shmcache import layout as L
-    p = manager._p
+    p = manager.pool
     t = manager.create_block_table("a")
     manager.prepare_append(t, 12)                   # three blocks
     loose = manager.get_new_blocks(2)
-    words = manager._refs.table_words(manager._table_index(t))
+    words = manager.internals.holder.refs.table_words(manager.internals.tables.table_index(t))
     p.kw[words[1]] = 10**6                          # names no block
-    p.kw[manager._refs.loose.top(loose[0].block_id)] = -3
+    p.kw[manager.internals.holder.refs.loose.top(loose[0].block_id)] = -3
     p.c[L.C_DIRTY] = 1                              # as a holder dying mid-update leaves it
     assert manager.check() == []                    # repaired on taking the lock
-    assert len(t.block_ids) == 1 and manager._p.s_count[p.slot] == 1
+    assert len(t.block_ids) == 1 and manager.pool.s_count[p.slot] == 1
     assert manager.free_blocks == 31 - 2
     manager.free_block(loose[-1].block_id)          # the one left in the loose list
     manager.delete_block_table("a")
@@ -223,13 +223,13 @@ def test_repair_cuts_a_list_at_an_id_naming_no_block(manager):
 
 def test_repair_after_a_cycle_and_a_shared_chunk(manager):
     from shmcache import layout as L
-    p = manager._p
+    p = manager.pool
     a = manager.create_block_table("a")
     manager.prepare_append(a, 4 * 20)               # twenty blocks: two chunks
     b = manager.fork_block_table(a, "b")
-    ha, hb = p.t_head[manager._table_index(a)], p.t_head[manager._table_index(b)]
+    ha, hb = p.t_head[manager.internals.tables.table_index(a)], p.t_head[manager.internals.tables.table_index(b)]
     p.kw[ha * L.CHUNK_WORDS] = ha                   # a's first chunk links to itself
-    p.t_head[manager._table_index(b)] = ha          # and b starts there too
+    p.t_head[manager.internals.tables.table_index(b)] = ha          # and b starts there too
     p.c[L.C_DIRTY] = 1
     assert manager.check() == []
     assert len(a.block_ids) == 15 and len(b.block_ids) == 0
@@ -242,10 +242,10 @@ def test_repair_after_a_cycle_and_a_shared_chunk(manager):
 def test_an_operation_meeting_a_corrupt_list_raises_then_the_pool_is_whole(manager):
     from shmcache import layout as L
     from shmcache.errors import CorruptPoolError
-    p = manager._p
+    p = manager.pool
     t = manager.create_block_table("a")
     manager.prepare_append(t, 4 * 20)               # two chunks
-    head = p.t_head[manager._table_index(t)]
+    head = p.t_head[manager.internals.tables.table_index(t)]
     p.kw[head * L.CHUNK_WORDS] = head               # a cycle: walked forever before
     with pytest.raises(CorruptPoolError, match="table 0's list") as ei:
         manager.fork_block_table(t, "b")

@@ -169,7 +169,7 @@ def test_lists_span_chunks_and_stay_consistent(manager):
     t = m.create_block_table("t")
     left = [b for i, b in enumerate(held) if i % 3]
     t.block_ids.extend([b.block_id for b in left] * 2)   # 40 ids: three chunks
-    assert len(t) == 40 and m._p.s_count[m._p.slot] == 0
+    assert len(t) == 40 and m.pool.s_count[m.pool.slot] == 0
     f = m.fork_block_table(t, "f")
     assert f.block_ids == t.block_ids
     m.trim_table(f, 0)
@@ -177,11 +177,11 @@ def test_lists_span_chunks_and_stay_consistent(manager):
     for _ in range(26):
         t.block_ids.pop()
     assert len(t) == 14 and m.check() == []
-    m.free_block_batch([b for b, g in m._refs.loose.as_dict().items() for _ in g])   # the popped ones
+    m.free_block_batch([b for b, g in m.internals.holder.refs.loose.as_dict().items() for _ in g])   # the popped ones
     m.delete_block_table("t")
     m.delete_block_table("f")
     assert m.free_blocks == 31 and m.check() == []
-    assert m._p.c[L.C_FREE_REFS] == m.layout.num_chunks
+    assert m.pool.c[L.C_FREE_REFS] == m.layout.num_chunks
 
 
 # --------------------------------------------------------------- recovery
@@ -190,7 +190,7 @@ def test_a_dead_process_with_long_lists_is_released(make_pool, spawn):
     m = make_pool(block_size=4, max_blocks=64, **LAYOUT)
     t = _prompt_table(m, "mine", 40)             # ten blocks
     before = m.get_stats()
-    refs = m._p.blocks["ref_count"].copy()
+    refs = m.pool.blocks["ref_count"].copy()
     w = spawn("serve", m.name)
     w.ready()
     w.call("alloc", n=20)                        # two chunks of loose ids
@@ -204,7 +204,7 @@ def test_a_dead_process_with_long_lists_is_released(make_pool, spawn):
     s = m.get_stats()
     assert (s.refs_held, s.allocated_blocks, s.block_tables) == \
         (before.refs_held, before.allocated_blocks, 1)
-    assert (m._p.blocks["ref_count"] == refs).all()
+    assert (m.pool.blocks["ref_count"] == refs).all()
     assert m.check() == []
     m.delete_block_table(t.request_id)
-    assert m._p.c[L.C_FREE_REFS] == m.layout.num_chunks and m.check() == []
+    assert m.pool.c[L.C_FREE_REFS] == m.layout.num_chunks and m.check() == []

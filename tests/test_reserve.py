@@ -34,7 +34,7 @@ import sys, shmcache
 m = shmcache.attach(sys.argv[1])
 m.set_reserve(32)
 m.free_block_batch(m.get_new_blocks(32))
-print("ready", m.reserve_size, m._p.slot, flush=True)
+print("ready", m.reserve_size, m.pool.slot, flush=True)
 for line in sys.stdin:
     cmd = line.split()
     if cmd[0] == "alloc":
@@ -46,7 +46,7 @@ for line in sys.stdin:
 
 
 def ops(m) -> int:
-    return int(m._p.c[L.C_OPS])     # lock holds: the reserve's calls take none
+    return int(m.pool.c[L.C_OPS])     # lock holds: the reserve's calls take none
 
 
 @pytest.fixture
@@ -150,9 +150,9 @@ def test_repair_keeps_the_reserve(manager):
     m = manager
     m.set_reserve(16)
     m.free_block_batch(m.get_new_blocks(16))
-    with m._p.lock:
-        recovery.repair(m._p)
-        assert recovery.check(m._p) == []
+    with m.pool.lock:
+        recovery.repair(m.pool)
+        assert recovery.check(m.pool) == []
     assert m.reserve_size == 16
     assert len(m.get_new_blocks(16)) == 16 and m.reserve_size == 0
     assert m.check() == []
@@ -166,7 +166,7 @@ def test_another_process_takes_the_reserve_when_the_free_list_runs_short(make_po
     assert m.free_blocks == 63
     mine = m.get_new_blocks(63)            # 31 from the free list, 32 out of the child's reserve
     assert len(mine) == 63 and m.free_blocks == 0 and m.check() == []
-    assert [h["reserved_blocks"] for h in m.holdings() if h["slot"] != m._p.slot] == [0]
+    assert [h["reserved_blocks"] for h in m.holdings() if h["slot"] != m.pool.slot] == [0]
     m.free_block_batch(mine[:8])
     p.stdin.write("alloc 8\n")
     p.stdin.flush()

@@ -222,7 +222,7 @@ def test_block_ids_append_changes_the_table(manager):
     t.block_ids.append(b.block_id)
     t.num_tokens += BS
     assert t.block_ids == [b.block_id] and len(t) == 1 and t.num_tokens == BS
-    assert b.ref_count == 1 and not m._refs.holds_loose(b.block_id)   # the reference moved
+    assert b.ref_count == 1 and not m.internals.holder.refs.holds_loose(b.block_id)   # the reference moved
     assert m.check() == []
     m.delete_block_table("a")
     assert b.ref_count == 0 and m.free_blocks == 31 and m.check() == []
@@ -246,12 +246,12 @@ def test_block_ids_mutations(manager):
     ids += [c]
     assert ids == [a, b, c] == t.block_ids and m.check() == []
     assert ids.pop() == c                        # the reference moves to this manager
-    assert t.block_ids == [a, b] and m._refs.holds_loose(c) and m.blocks[c].ref_count == 1
+    assert t.block_ids == [a, b] and m.internals.holder.refs.holds_loose(c) and m.blocks[c].ref_count == 1
     m.free_block(c)                              # as a seed caller would
     ids.insert(0, b)                             # no reference held: the table takes one
     assert t.block_ids == [b, a, b] and m.blocks[b].ref_count == 2
     ids[1] = c                                   # replaces a: a's reference comes here
-    assert t.block_ids == [b, c, b] and m._refs.holds_loose(a) and m.blocks[c].ref_count == 1
+    assert t.block_ids == [b, c, b] and m.internals.holder.refs.holds_loose(a) and m.blocks[c].ref_count == 1
     del ids[0]
     ids.remove(b)
     assert t.block_ids == [c] and m.blocks[b].ref_count == 2        # both now loose
@@ -320,7 +320,7 @@ def test_free_queue_calls_never_list_a_referenced_block(manager):
     q = m.free_block_queue
     first = q.get_all_free_blocks()[0].block_id
     blk = q.popleft()                            # off the queue, held by this manager
-    assert blk.block_id == first and blk.ref_count == 1 and m._refs.holds_loose(first)
+    assert blk.block_id == first and blk.ref_count == 1 and m.internals.holder.refs.holds_loose(first)
     blk.ref_count = 1                            # the seed's own allocation does this: a no-op
     with pytest.raises(AttributeError):
         blk.ref_count = 5

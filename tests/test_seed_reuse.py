@@ -56,8 +56,8 @@ def test_per_block_registration_keys_each_block_by_its_whole_prefix():
     other = m.get_new_blocks(3)
     for b in other:
         m.add_block_to_table(t2, b, 4)
-    hashes = m._hashes(tokens, 3, None)
-    assert [m._index.hash_of(b) for b in ids] == hashes
+    hashes = m.internals.ledger.hashes(tokens, 3, None)
+    assert [m.internals.ledger.index.hash_of(b) for b in ids] == hashes
     m.delete_block_table("r2")
     # a block's tokens alone (position 0) find only the first block
     assert m.find_cached_block(tokens[4:8]) is None
@@ -76,13 +76,13 @@ def test_a_block_after_an_unknown_prefix_is_not_published():
     t.block_ids.append(a.block_id)           # never registered
     t.block_ids.append(b.block_id)
     m.register_block_hash(b, toks(4, base=50))
-    assert not b.hash_value and m._index.hash_of(b.block_id) is None
+    assert not b.hash_value and m.internals.ledger.index.hash_of(b.block_id) is None
     assert m.find_cached_block(toks(4, base=50)) is None
     # a block not just appended keeps the seed's reading: a prefix from 0
     c = m.allocate_block()
     m.register_block_hash(c, toks(8, base=60))
     assert m.find_shared_prefix(toks(8, base=60))[0] == []      # (block 0 is not cached)
-    assert m._index.find(m._hashes(toks(8, base=60), 2, None)[1]) == c.block_id
+    assert m.internals.ledger.index.find(m.internals.ledger.hashes(toks(8, base=60), 2, None)[1]) == c.block_id
     assert m.check() == []
     m.destroy()
 
@@ -119,7 +119,7 @@ def test_a_block_after_blocks_found_by_a_lookup_is_keyed_after_them():
     c = m.allocate_block()
     t3.block_ids.append(c.block_id)
     m.register_block_hash(c, B)
-    assert m._index.hash_of(c.block_id) is None
+    assert m.internals.ledger.index.hash_of(c.block_id) is None
     assert m.find_shared_prefix(P + A + B)[0] == found + [a.block_id]
     assert m.check() == []
     m.destroy()
@@ -192,5 +192,5 @@ def test_a_block_deduplicated_at_a_wrong_position_is_never_published():
     assert xy[1] == y0                          # the consumer's own dedup
     table, remaining = cache.fetch_cache("xyz", X + Y + Z + [1])
     assert list(table.block_ids) == xy[:1] and remaining == Y + Z + [1]
-    assert m._index.hash_of(xy[2]) is None      # Z after the misplaced Y: not published
+    assert m.internals.ledger.index.hash_of(xy[2]) is None      # Z after the misplaced Y: not published
     _close(m)

@@ -113,7 +113,7 @@ def test_a_failed_creation_leaves_no_half_made_file(pool_name, monkeypatch):
 
 def test_header_is_checksummed(make_pool):
     m = make_pool()
-    h = m._p.header[0]
+    h = m.pool.header[0]
     assert bytes(h["checksum"]) == L.header_checksum(h) != bytes(16)
 
 

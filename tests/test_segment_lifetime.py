@@ -44,7 +44,7 @@ def test_private_manager_leaves_nothing_in_dev_shm():
 def test_private_manager_is_released_when_collected():
     import weakref
     m = shmcache.PagedCacheManager(block_size=4, max_blocks=16)
-    p = m._p
+    p = m.pool
     m.allocate_block()
     w = weakref.ref(m)
     del m
@@ -70,7 +70,7 @@ def test_attached_manager_is_released_when_collected(make_pool):
 def test_private_manager_context_manager():
     with shmcache.PagedCacheManager(block_size=4, max_blocks=16) as m:
         m.allocate_block()
-        p = m._p
+        p = m.pool
     assert p.closed
 
 

@@ -20,6 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from shmcache.errors import OutOfBlocksError
 
+from _mutex import python_only
 from _pool_model import BS, EXTRAS, N, PROMPTS, RIDS, PoolModel
 
 
@@ -240,7 +241,7 @@ class PoolMachine(PoolModel, RuleBasedStateMachine):
     # ------------------------------------------------------- invariants
     @invariant()
     def agrees_with_model(self):
-        m, p = self.m, self.m._p
+        m, p = self.m, self.m.pool
         assert p.blocks["ref_count"][:N].tolist() == self.ref
         assert m.free_block_queue.ids() == self.free
         assert m.free_blocks == len(self.free)
@@ -250,8 +251,8 @@ class PoolMachine(PoolModel, RuleBasedStateMachine):
             mt = m.get_block_table(rid)
             assert mt.block_ids == t["blocks"] and mt.num_tokens == t["tok"], rid
             assert len(mt) == len(t["blocks"])
-        assert sorted(m._index.cached_ids()) == sorted(self.cached)
-        assert {b: len(r) for b, r in m._refs.loose.as_dict().items()} == dict(self.loose)
+        assert sorted(m.internals.ledger.index.cached_ids()) == sorted(self.cached)
+        assert {b: len(r) for b, r in m.internals.holder.refs.loose.as_dict().items()} == dict(self.loose)
         alloc = [b for b in range(N) if self.ref[b] > 0]
         assert [p.blocks["token_count"][b] for b in alloc] == [self.tok[b] for b in alloc]
         s = m.get_stats()
@@ -274,7 +275,20 @@ class PoolMachine(PoolModel, RuleBasedStateMachine):
         assert self.m.check() == []
 
 
-PoolMachine.TestCase.settings = settings(
+class ReferenceOpsMachine(PoolMachine):
+    """The same rules with the pool's Python reference operations
+    (``hot_ops.ReferenceOps``) where the C accelerator runs in PoolMachine
+    (with ``SHMCACHE_PURE=1`` both run the reference)."""
+
+    def __init__(self):
+        super().__init__()
+        python_only(self.m)
+
+
+_SETTINGS = settings(
     max_examples=50, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+PoolMachine.TestCase.settings = _SETTINGS
+ReferenceOpsMachine.TestCase.settings = _SETTINGS
 TestPoolAgainstModel = pytest.mark.timeout(300)(PoolMachine.TestCase)
+TestReferenceOpsAgainstModel = pytest.mark.timeout(300)(ReferenceOpsMachine.TestCase)

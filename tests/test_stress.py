@@ -86,7 +86,7 @@ def worker(make_pool, tmp_path):
                               parent=os.getppid(), demand=40, prompt_seed=5)
     w = stress_worker.Worker(args)
     yield m, w
-    if not w.m._p.closed:
+    if not w.m.pool.closed:
         w.m.close()
 
 
@@ -97,7 +97,7 @@ def test_checker_detects_corrupted_table_block(worker):
     w.op_verify()
     assert w.r["payload_mismatches"] == 0 and w.r["verified_blocks"] > 0
     ids = m.get_block_table(rid).block_ids
-    m._p.arena[:, ids[0], :, :, 0, :] += 1          # one token, every layer
+    m.pool.arena[:, ids[0], :, :, 0, :] += 1          # one token, every layer
     w.op_verify()
     assert w.r["payload_mismatches"] == 1
     assert f"block {ids[0]}" in w.r["mismatch_details"][0]
@@ -109,7 +109,7 @@ def test_checker_detects_corrupted_private_block(worker):
     (b, *_) = sorted(w.private)
     w.verify_private(b)
     assert w.r["payload_mismatches"] == 0
-    m._p.arena[:, b, 1, 0, 3, 2] = -1.0
+    m.pool.arena[:, b, 1, 0, 3, 2] = -1.0
     w.verify_private(b)
     assert w.r["payload_mismatches"] == 1
 

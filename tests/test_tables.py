@@ -231,7 +231,7 @@ def test_holdings(pair):
     t = other.create_block_table("x")
     other.add_block_to_table(t, other.allocate_block(), 1)
     h = {d["slot"]: d for d in m.holdings()}
-    mine = h[other._p.slot]
+    mine = h[other.pool.slot]
     assert mine["pid"] == os.getpid() and mine["alive"]
     assert (mine["tables"], mine["table_blocks"], mine["loose_blocks"]) == (1, 1, 2)
 
@@ -240,11 +240,11 @@ def test_repair_after_manager_collected_while_pool_dirty(make_pool):
     m = make_pool()
     other = shmcache.attach(m.name)
     other.get_new_blocks(3)
-    m._p.c[L.C_DIRTY] = 1           # as if a holder had died mid-update
+    m.pool.c[L.C_DIRTY] = 1           # as if a holder had died mid-update
     del other
     gc.collect()                    # its finalizer repairs, then releases
-    assert m._p.c[L.C_RECOVERIES] == 1
-    assert m._p.c[L.C_DIRTY] == 0
+    assert m.pool.c[L.C_RECOVERIES] == 1
+    assert m.pool.c[L.C_DIRTY] == 0
     assert m.free_blocks == 31
     assert m.check() == []
 
@@ -259,7 +259,7 @@ def test_creator_context_manager_destroys(pool_name):
 
 # ====================================================== acquiring into a table
 def _logical(m, t):
-    p = m._p
+    p = m.pool
     return (list(t.block_ids), t.num_tokens, [p.b_ref[b] for b in range(m.max_blocks)],
             m.free_blocks, [int(x) for x in p.counters[[L.C_HITS, L.C_MISSES, L.C_TOKENS]]])
 
@@ -282,7 +282,7 @@ def test_acquire_into_a_table_is_acquire_then_add(make_pool):
             for b in got:
                 m.add_block_to_table(t, b, m.block_size)
         assert n == 12 and [b.block_id for b in got] == ids
-        assert len(m._refs.loose) == 0, "a reference was left loose"
+        assert len(m.internals.holder.refs.loose) == 0, "a reference was left loose"
         assert m.check() == []
         states.append(_logical(m, t))
     assert states[0] == states[1]

@@ -165,7 +165,7 @@ def test_table_view_shared_between_managers(pair):
 def test_table_view_num_tokens_owner_and_identity(pair):
     m, other = pair
     t = m.create_block_table("r")
-    assert t.owner_slot == m._p.slot != other._p.slot
+    assert t.owner_slot == m.pool.slot != other.pool.slot
     t.num_tokens = 7
     assert other.get_block_table("r").num_tokens == 7
     for bad in (-1, 1.5, True, "3"):

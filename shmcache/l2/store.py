@@ -193,7 +193,7 @@ class RedisL2:
             n = self._batch_blocks
         lk.ended = True
 
-    def _abort(self, lk: "Lookup") -> None:
+    def abort_lookup(self, lk: "Lookup") -> None:
         """``lk`` was taken before it ended: close the connection it is
         reading from (if it is in flight), so the fetch thread is free."""
         with self._fcv:
@@ -371,7 +371,7 @@ class RedisL2:
         self._thread.join(max(1.0, flush_s))
         if self._fetcher is not None:
             if self._inflight is not None:
-                self._abort(self._inflight)
+                self.abort_lookup(self._inflight)
             self._fetcher.join(1.0)
         self._closed = True
         for c in (self._r, self._w):
@@ -423,7 +423,7 @@ class Lookup:
             found = list(self.found)
         s, c = self.store, self.store.c
         if not self.done.is_set() and self.chain and not self.ended:
-            s._abort(self)
+            s.abort_lookup(self)
             if time.monotonic() >= self.deadline:
                 # slow: down (as a timeout) unless part of it arrived, when
                 # the lookup was merely too large for its deadline

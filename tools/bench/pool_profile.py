@@ -78,7 +78,7 @@ def profile(n_pair: int = 30000, n_batch: int = 1500, n_prefix: int = 203, top: 
 
         def with_lock_sync():
             with p.lock:
-                m._sync()
+                m.internals.ledger.sync()
 
         b = m.allocate_block()
         bid = b.block_id
@@ -86,9 +86,9 @@ def profile(n_pair: int = 30000, n_batch: int = 1500, n_prefix: int = 203, top: 
         for label, fn in ((f"pool mutex trylock + unlock ({type(nat).__name__})", mutex_pair),
                           ("with pool.lock: pass", with_lock),
                           ("with pool.lock: _sync()", with_lock_sync),
-                          ("SharedBlock(mgr, id)", lambda: SharedBlock(m, bid)),
+                          ("SharedBlock(mgr, id)", lambda: SharedBlock(m.internals.ledger, bid)),
                           ("b.block_id (property)", lambda: b.block_id),
-                          ("_bid(block)", lambda: m._bid(b)),
+                          ("_bid(block)", lambda: m.internals.ledger.bid(b)),
                           ("p.now()", p.now),
                           ("allocate_block + free_block", lambda: m.free_block(m.allocate_block().block_id))):
             print(f"  {label:40s} {t(fn, 50_000 if 'allocate' in label else 200_000):8.3f}")

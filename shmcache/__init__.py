@@ -1,7 +1,7 @@
 """shmcache: a paged KV cache for LLM inference in shared memory.
 
 Several processes attach to one pool by name and allocate, share, fork and
-free its KV blocks at once; ``shmcache.paged_cache`` has the API of
+free its KV blocks at once; ``shmcache.manager.paged_cache`` has the API of
 ``vllm_mlx.paged_cache`` on top of it.
 """
 
@@ -12,9 +12,9 @@ import weakref
 from typing import Any, Mapping
 
 # First, before any import below loads mlx: an optimized CBLAS for MLX's CPU
-# matmuls (shmcache/blas.py imports only the standard library). Never raises.
+# matmuls (shmcache/system/blas.py imports only the standard library). Never raises.
 try:
-    from .blas import use_fast_blas as _use_fast_blas
+    from .system.blas import use_fast_blas as _use_fast_blas
     _use_fast_blas()
 except Exception as _e:  # noqa: BLE001 - a BLAS choice must not break import
     import logging as _logging
@@ -23,8 +23,8 @@ except Exception as _e:  # noqa: BLE001 - a BLAS choice must not break import
 from .errors import (CapacityError, CorruptPoolError, IncompatiblePoolError,
                      InsufficientSharedMemoryError, OutOfBlocksError, PoolClosedError,
                      PoolExistsError, PoolNotFoundError, ShmCacheError, UnsafePoolError)
-from .paged_cache import PagedCacheManager
-from .pool import Pool
+from .manager.paged_cache import PagedCacheManager
+from .pool.pool import Pool
 
 __all__ = ["create_pool", "attach", "destroy", "PagedCacheManager", "ShmCacheError",
            "PoolNotFoundError", "PoolExistsError", "IncompatiblePoolError",
@@ -58,7 +58,7 @@ def create_pool(name: str, *, block_size: int = 64, max_blocks: int = 1000,
             model that is not one (the pool is then removed again).
         RuntimeError: ``l2`` without the redis package.
     """
-    from . import segment
+    from .shm import segment
     segment.check_name(name)
     pool = Pool.create(name, block_size=block_size, max_blocks=max_blocks,
                        enable_caching=enable_caching, num_layers=num_layers,
@@ -76,7 +76,7 @@ def attach(name: str, timeout: float = 5.0, *, l2: str | None = None,
     A pool still being created is waited for, up to ``timeout`` seconds.
 
     With ``l2``, Redis is the manager's second tier, ``mgr.l2`` (an
-    ``shmcache.l2.L2Tier``; None without): ``shmcache.mlx_lm`` loads the next
+    ``shmcache.l2.L2Tier``; None without): ``shmcache.models.mlx_lm`` loads the next
     blocks of a prompt from it after an L1 miss and queues every block it
     publishes for it (a background thread writes them). Its counters are the
     pool's (``mgr.l2_counters()``, ``shmcache inspect``). Closing the manager
@@ -155,5 +155,5 @@ def _stop_before_close(mgr: PagedCacheManager, tier) -> None:
 
 def destroy(name: str) -> bool:
     """Unlink the named pool's segment; True if it existed."""
-    from . import segment
+    from .shm import segment
     return segment.unlink(name)

@@ -30,10 +30,10 @@ import signal
 import sys
 import time
 
-from . import layout as L
-from . import segment
+from .shm import layout as L
+from .shm import segment
 from .errors import ShmCacheError
-from .inspect_pool import PoolView, cleanup as cleanup_pool
+from .pool.inspect_pool import PoolView, cleanup as cleanup_pool
 
 BAR_WIDTH = 40
 
@@ -235,7 +235,7 @@ def _fsck_read_only(name: str) -> int:
 
 def cmd_fsck(args) -> int:
     import shmcache
-    from . import recovery
+    from .pool import recovery
     if not args.repair:
         return _fsck_read_only(args.name)
     with _open(args.name) as v:
@@ -322,7 +322,7 @@ def cmd_serve(args) -> int:
 # ---------------------------------------------------------------- convert
 def cmd_convert(args) -> int:
     import os
-    from .gguf import convert
+    from .models.gguf import convert
     if not args.gguf.lower().endswith(".gguf") or not os.path.isfile(args.gguf):
         raise CliError(f"{args.gguf}: not a .gguf file")
     if os.path.exists(args.dir) and (not os.path.isdir(args.dir) or os.listdir(args.dir)):

@@ -13,7 +13,8 @@ import platform
 import sys
 from importlib import metadata
 
-from . import blas, segment
+from .system import blas
+from .shm import segment
 
 MATMUL_N = 1024
 

@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 
-from shmcache import segment
+from shmcache.shm import segment
 
 from conftest import new_name
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from shmcache import segment
+from shmcache.shm import segment
 
 from _proc_client import lock_is_busy, write_positions
 from tools.stress.workload_payload import extra_for

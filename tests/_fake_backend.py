@@ -43,8 +43,8 @@ USER = [{"role": "user", "content": "hi"}]
 def build_tokenizer(path: Path):
     """The demo model's tokenizer (one token per byte, special tokens, a chat
     template; mlx_lm streams it with its NaiveStreamingDetokenizer), from a
-    tiny ``shmcache.demo_model`` directory: only its tokenizer is used here."""
-    from shmcache.demo_model import build_model_dir
+    tiny ``shmcache.models.demo_model`` directory: only its tokenizer is used here."""
+    from shmcache.models.demo_model import build_model_dir
     build_model_dir(path, hidden_size=32, num_hidden_layers=1, intermediate_size=64,
                     num_attention_heads=2, num_key_value_heads=1, head_dim=16)
     return load_tokenizer(path)

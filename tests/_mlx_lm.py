@@ -1,8 +1,8 @@
-"""Fixtures and helpers of the tests of ``shmcache.mlx_lm`` (``test_mlx_lm``,
+"""Fixtures and helpers of the tests of ``shmcache.models.mlx_lm`` (``test_mlx_lm``,
 ``test_mlx_lm_batch``).
 
 Every test runs real mlx-lm models (llama, qwen2, qwen3 with random weights,
-built once per test module by ``shmcache.demo_model``: the ``lm`` fixture)
+built once per test module by ``shmcache.models.demo_model``: the ``lm`` fixture)
 and checks two things: the tokens are the ones mlx-lm gives with its own
 caches, and the pool holds exactly (bitwise) the K/V the model computed.
 Prefill goes in chunks of one block (``prefill_step_size = BS``), so a cached
@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 import shmcache  # (first: the fast BLAS before mlx)
-from shmcache import segment
+from shmcache.shm import segment
 
 pytest.importorskip("mlx_lm")
 import mlx.core as mx  # noqa: E402
@@ -27,8 +27,8 @@ from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
 from conftest import new_name  # noqa: E402
-from shmcache import mlx_lm as P  # noqa: E402
-from shmcache.demo_model import ARCHS, build_model_dir  # noqa: E402
+from shmcache.models import mlx_lm as P  # noqa: E402
+from shmcache.models.demo_model import ARCHS, build_model_dir  # noqa: E402
 
 
 BS = 16

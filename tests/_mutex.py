@@ -13,8 +13,8 @@ import textwrap
 
 import pytest
 
-from shmcache import lock as shlock, segment
-from shmcache.hot_ops import ReferenceOps
+from shmcache.shm import lock as shlock, segment
+from shmcache.shm.hot_ops import ReferenceOps
 
 needs_c = pytest.mark.skipif(not shlock.ACCELERATED, reason="shmcache._hot is not built here")
 
@@ -37,7 +37,7 @@ def python_only(m):
 
 HOLDER = textwrap.dedent("""
     import ctypes, mmap, os, sys
-    from shmcache import layout as L, lock as shlock, segment
+    from shmcache.shm import layout as L, lock as shlock, segment
     fd = os.open(segment.path_for(sys.argv[1]), os.O_RDWR)
     mm = mmap.mmap(fd, shlock.MUTEX_MAP_SIZE)
     m = shlock.open_mutex(mm)

@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 
 from shmcache.errors import OutOfBlocksError
-from shmcache.paged_cache import PagedCacheManager
+from shmcache.manager.paged_cache import PagedCacheManager
 
 BS = 4
 N = 24

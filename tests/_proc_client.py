@@ -171,7 +171,7 @@ def wait_for_lock_waiter(path: str, pid: int, timeout: float = 20.0) -> None:
 def lock_is_busy(path: str) -> bool:
     """Whether someone holds the pool lock of ``path`` (tried through a mapping of our own)."""
     import mmap
-    from shmcache.lock import MUTEX_MAP_SIZE, open_mutex
+    from shmcache.shm.lock import MUTEX_MAP_SIZE, open_mutex
     fd = os.open(path, os.O_RDWR)
     try:
         mm = mmap.mmap(fd, MUTEX_MAP_SIZE)

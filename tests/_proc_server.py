@@ -36,7 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 import shmcache  # noqa: E402
-from shmcache import layout as L  # noqa: E402
+from shmcache.shm import layout as L  # noqa: E402
 from tools.stress.workload_driver import Workload  # noqa: E402
 from tools.stress.workload_payload import chain_mismatch, extra_for, write_chain  # noqa: E402
 

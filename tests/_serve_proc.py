@@ -5,7 +5,7 @@ end-to-end tests (``test_server_e2e``, ``test_server_backend``,
 Each server is ``python -m shmcache.cli serve --model DIR --port 0`` (its
 URL is read from its startup log line) with real worker processes over a
 real pool in /dev/shm, serving a small random-weight llama model built once
-per test module (``shmcache.demo_model.build_model_dir``, the ``model_dir``
+per test module (``shmcache.models.demo_model.build_model_dir``, the ``model_dir``
 fixture). The clients are the official ``openai`` client and raw ``httpx``.
 
 The answers are checked against mlx-lm itself (:class:`Reference`): greedy
@@ -266,7 +266,7 @@ def serving(model_dir: Path, *args):
 # ----------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    from shmcache.demo_model import build_model_dir
+    from shmcache.models.demo_model import build_model_dir
     return build_model_dir(tmp_path_factory.mktemp("model") / MODEL_NAME, "llama")
 
 

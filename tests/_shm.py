@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from shmcache import segment
+from shmcache.shm import segment
 
 
 def shm_path(name: str) -> str:

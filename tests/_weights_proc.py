@@ -1,7 +1,7 @@
 """A process that loads a model and holds it, for tests/test_weights.py.
 
 ``python _weights_proc.py MODE MODEL_DIR`` with MODE ``shared``
-(shmcache.weights.load_model_shared) or ``private`` (mlx_lm.load). It runs
+(shmcache.models.weights.load_model_shared) or ``private`` (mlx_lm.load). It runs
 one forward pass over a fixed prompt (every weight page is then touched),
 prints ``ready <digest>`` (a hash of the logits' bytes), then answers each
 line on stdin with another forward pass's digest, and exits at EOF.
@@ -25,7 +25,7 @@ def digest(model) -> str:
 def main() -> None:
     mode, model_dir = sys.argv[1], sys.argv[2]
     if mode == "shared":
-        from shmcache.weights import load_model_shared
+        from shmcache.models.weights import load_model_shared
         model, _ = load_model_shared(model_dir)
     else:
         from mlx_lm import load

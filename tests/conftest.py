@@ -14,7 +14,7 @@ import os
 import pytest
 
 import shmcache
-from shmcache import segment
+from shmcache.shm import segment
 
 RUN = f"test-{os.getpid()}"
 _counter = itertools.count()

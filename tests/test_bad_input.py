@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 
 import shmcache
-from shmcache import paged_cache as pc
+from shmcache.manager import paged_cache as pc
 
 from _helpers import cached_table, snapshot, toks, unchanged
 from _helpers import pair as pair  # pytest fixtures

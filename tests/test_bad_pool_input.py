@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import shmcache
-from shmcache import layout as L
-from shmcache import paged_cache as pc
+from shmcache.shm import layout as L
+from shmcache.manager import paged_cache as pc
 from shmcache.errors import IncompatiblePoolError, PoolNotFoundError
 
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from shmcache import segment
+from shmcache.shm import segment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

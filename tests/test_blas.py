@@ -1,4 +1,4 @@
-"""shmcache.blas: an optimized CBLAS bound under MLX, checked in fresh processes.
+"""shmcache.system.blas: an optimized CBLAS bound under MLX, checked in fresh processes.
 
 The BLAS binding happens once per process, when libmlx is loaded, so every
 case runs in its own interpreter. The speed check is what fails if the
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from shmcache import blas
+from shmcache.system import blas
 
 ROOT = Path(__file__).resolve().parent.parent
 MIN_GFLOPS = 15.0
@@ -47,7 +47,7 @@ def _run(code: str, **extra) -> dict:
 PROBE = """
 import json, shmcache
 import mlx.core
-from shmcache import blas
+from shmcache.system import blas
 i = blas.info()
 print(json.dumps({"info": i.as_dict(), "gflops": blas.matmul_gflops(1024, repeats=%d)}))
 """
@@ -83,7 +83,7 @@ def test_off_keeps_the_reference_blas():
 def test_mlx_imported_first_is_too_late_and_warns():
     _need_optimized()
     out = _run("import json, mlx.core, shmcache\n"
-               "print(json.dumps(shmcache.blas.info().as_dict()))")
+               "print(json.dumps(shmcache.system.blas.info().as_dict()))")
     assert out["name"] == "reference" and out["bound"], out
     assert "too late" in out["detail"] and "too late" in out["stderr"]
 
@@ -108,12 +108,12 @@ def test_blas_module_does_not_import_mlx_and_predicts_the_binding():
     found = _need_optimized()
     code = f"""
 import json, sys, types
-# shmcache.blas and the modules it imports, without shmcache/__init__.py (which
+# shmcache.system.blas and the modules it imports, without shmcache/__init__.py (which
 # would call use_fast_blas itself): this test says so, a bare package object
 # with the real package's path stands in for it
 pkg = types.ModuleType("shmcache"); pkg.__path__ = [{str(ROOT / "shmcache")!r}]
 sys.modules["shmcache"] = pkg
-import shmcache.blas as b
+import shmcache.system.blas as b
 assert "mlx.core" not in sys.modules
 before = b.use_fast_blas().as_dict()
 assert "mlx.core" not in sys.modules

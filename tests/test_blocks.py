@@ -1,4 +1,4 @@
-"""The seed's plain value types (shmcache.blocks), used without a pool."""
+"""The seed's plain value types (shmcache.shm.blocks), used without a pool."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from shmcache import paged_cache as pc
-from shmcache.blocks import (BlockHashToBlockMap, BlockTable, CacheBlock, CacheStats,
+from shmcache.manager import paged_cache as pc
+from shmcache.shm.blocks import (BlockHashToBlockMap, BlockTable, CacheBlock, CacheStats,
                              FreeKVCacheBlockQueue, KVCacheBlock, compute_block_hash)
 
 

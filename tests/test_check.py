@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shmcache import layout as L
+from shmcache.shm import layout as L
 
 from _helpers import cached_table
 

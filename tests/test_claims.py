@@ -1,4 +1,4 @@
-"""Table claims and the append without the pool lock (shmcache/claims.py,
+"""Table claims and the append without the pool lock (shmcache/shm/claims.py,
 shmcache/_native/hot_claim.h): a one-token append into a table's private
 last block takes no lock; anything else goes the locked way; a lock holder
 waits for an append in progress and takes over a dead appender's claim;
@@ -21,9 +21,9 @@ import time
 import pytest
 
 import shmcache
-from shmcache import claims
-from shmcache import layout as L
-from shmcache.lock import ACCELERATED
+from shmcache.shm import claims
+from shmcache.shm import layout as L
+from shmcache.shm.lock import ACCELERATED
 
 pytestmark = pytest.mark.skipif(not ACCELERATED, reason="the lock-free append needs the C "
                                 "accelerator (shmcache._hot)")

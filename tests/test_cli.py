@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from shmcache import layout as L
-from shmcache import lock as shlock
+from shmcache.shm import layout as L
+from shmcache.shm import lock as shlock
 
 from conftest import new_name
 from _cli import CMD, busy_pool, run

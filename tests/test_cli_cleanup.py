@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import signal
 
-from shmcache import segment
+from shmcache.shm import segment
 
 from conftest import RUN, new_name
 from _cli import assert_error, run, write_segment

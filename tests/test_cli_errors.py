@@ -12,8 +12,8 @@ import os
 import numpy as np
 import pytest
 
-from shmcache import layout as L
-from shmcache import segment
+from shmcache.shm import layout as L
+from shmcache.shm import segment
 
 from conftest import new_name
 from _cli import assert_error, run, write_segment

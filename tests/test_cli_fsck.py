@@ -10,8 +10,8 @@ import subprocess
 import sys
 import time
 
-from shmcache import layout as L
-from shmcache import segment
+from shmcache.shm import layout as L
+from shmcache.shm import segment
 
 from _cli import busy_pool, run
 from _cli import holders  # pytest fixture

@@ -7,7 +7,7 @@ either makes progress or gets a clear pool error within a bound, that
 the pool consistent:
 
 - a table's claim naming a live, attached process that is not appending
-  (shmcache/claims.py: a bounded wait, then taken over);
+  (shmcache/shm/claims.py: a bounded wait, then taken over);
 - the pool lock's word naming a live process that never attached, or a
   zombie (slots.lock_owner_problem: taken over as from a dead holder);
 - a table whose owner field names no attached slot (reclaim releases it);
@@ -31,8 +31,8 @@ import time
 
 import pytest
 
-from shmcache import claims, segment, slots
-from shmcache import layout as L
+from shmcache.shm import claims, segment, slots
+from shmcache.shm import layout as L
 
 from _cli import run
 from conftest import new_name
@@ -184,7 +184,7 @@ def test_a_lock_word_overwritten_while_held_raises_a_pool_error(make_pool, pure)
     repair, and the next holder takes the word over and repairs."""
     code = r"""
 import ctypes, subprocess, sys, shmcache
-from shmcache import layout as L
+from shmcache.shm import layout as L
 from shmcache.errors import CorruptPoolError
 m = shmcache.attach(sys.argv[1])
 dead = subprocess.Popen([sys.executable, "-c", "pass"]); dead.wait()

@@ -1,4 +1,4 @@
-"""shmcache.demo_model: offline mlx-lm model directories with random weights."""
+"""shmcache.models.demo_model: offline mlx-lm model directories with random weights."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import shmcache  # noqa: F401  (first: the fast BLAS before mlx)
-from shmcache import demo_model as D
+from shmcache.models import demo_model as D
 
 mlx_lm = pytest.importorskip("mlx_lm")
 import mlx.core as mx  # noqa: E402
@@ -163,7 +163,7 @@ def test_default_location(monkeypatch, tmp_path):
 
 
 def test_concurrent_builders_agree(tmp_path):
-    code = ("import sys, shmcache\nfrom shmcache.demo_model import ensure_demo_model\n"
+    code = ("import sys, shmcache\nfrom shmcache.models.demo_model import ensure_demo_model\n"
             "print(ensure_demo_model(sys.argv[1], progress=False))")
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, env=env,

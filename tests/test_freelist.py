@@ -1,4 +1,4 @@
-"""The manager's shared free queue (shmcache.freelist): links, order, eviction."""
+"""The manager's shared free queue (shmcache.shm.freelist): links, order, eviction."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from shmcache import layout as L
+from shmcache.shm import layout as L
 from shmcache.errors import OutOfBlocksError
 
 

@@ -67,7 +67,8 @@ def _case(spec: dict, data: bytes, i: int) -> None:
     import mlx.core as mx
 
     import shmcache
-    from shmcache import cli, segment
+    from shmcache import cli
+    from shmcache.shm import segment
 
     rng = random.Random(spec["seed"] * 100003 + i)
     buf = bytearray(data)
@@ -207,7 +208,7 @@ def _template(make_pool):
 
 
 def _regions(lay) -> dict:
-    from shmcache import layout as L
+    from shmcache.shm import layout as L
     return {
         "header": (0, L.HEADER_DTYPE.itemsize),
         "counters": (lay.counters_off, lay.counters_off + 16 * 8),
@@ -380,7 +381,7 @@ def test_a_live_pool_with_corrupted_words_hangs_nobody(make_pool):
     import random
     import select
 
-    from shmcache import layout as L
+    from shmcache.shm import layout as L
 
     m = make_pool(block_size=4, max_blocks=64, max_slots=8, max_tables=16)
     lay, p = m.layout, m.pool
@@ -453,7 +454,7 @@ def test_a_live_pool_with_corrupted_words_hangs_nobody(make_pool):
 
 
 def segment_path(name: str) -> str:
-    from shmcache import segment
+    from shmcache.shm import segment
     return segment.path_for(name)
 
 

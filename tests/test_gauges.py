@@ -5,8 +5,8 @@ view (``MappedViews``, fsck's copy) reads the same structures."""
 from __future__ import annotations
 
 from shmcache import PagedCacheManager
-from shmcache import layout as L
-from shmcache.pool import MappedViews
+from shmcache.shm import layout as L
+from shmcache.pool.pool import MappedViews
 
 
 def test_gauges_follow_the_pool():

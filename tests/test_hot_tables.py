@@ -12,10 +12,10 @@ import random
 import pytest
 
 import shmcache
-from shmcache import layout as L
-from shmcache import lock as shlock
-from shmcache.hot_ops import NativeOps
-from shmcache.refs import rid_key
+from shmcache.shm import layout as L
+from shmcache.shm import lock as shlock
+from shmcache.shm.hot_ops import NativeOps
+from shmcache.shm.refs import rid_key
 
 from _helpers import LOCK_COUNTERS
 from _mutex import python_only

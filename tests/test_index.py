@@ -1,4 +1,4 @@
-"""OpenIndex (shmcache.index): linear probing with backward-shift deletion,
+"""OpenIndex (shmcache.shm.index): linear probing with backward-shift deletion,
 over a small int32 memoryview and a fake key store."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from shmcache.index import OpenIndex
+from shmcache.shm.index import OpenIndex
 
 
 class Store:

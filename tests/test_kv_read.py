@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from shmcache import kv as kvmod
+from shmcache.manager import kv as kvmod
 
 from _helpers import layer_kv
 from _kv import D, H, MXDT, T, kv_pool, rand

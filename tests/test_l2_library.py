@@ -1,5 +1,5 @@
 """The L2 tier on the library API: ``shmcache.create_pool(..., l2=...)`` /
-``shmcache.attach(..., l2=...)`` and ``shmcache.mlx_lm`` using ``mgr.l2``.
+``shmcache.attach(..., l2=...)`` and ``shmcache.models.mlx_lm`` using ``mgr.l2``.
 
 Two pools under different names stand for two hosts, both on one real
 ``redis-server`` (``tests/_redis.py``; SKIPPED, with the reason, where there
@@ -17,7 +17,7 @@ import time
 import pytest
 
 import shmcache  # noqa: F401  (first: the fast BLAS before mlx)
-from shmcache import segment
+from shmcache.shm import segment
 
 pytest.importorskip("mlx_lm")
 import mlx.core as mx  # noqa: E402
@@ -26,7 +26,7 @@ from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from conftest import new_name  # noqa: E402
-from shmcache import mlx_lm as P  # noqa: E402
+from shmcache.models import mlx_lm as P  # noqa: E402
 from shmcache.l2 import L2Tier  # noqa: E402
 
 from _l2 import redis_srv  # noqa: E402,F401  (a pytest fixture)
@@ -47,7 +47,7 @@ def rclient(redis_srv):
 
 @pytest.fixture(scope="module")
 def lm(tmp_path_factory):
-    from shmcache.demo_model import build_model_dir
+    from shmcache.models.demo_model import build_model_dir
     path = build_model_dir(tmp_path_factory.mktemp("l2lib") / "tiny-llama", "llama")
     model, tok = load(str(path))
     return path, model, P.pool_layout(model)

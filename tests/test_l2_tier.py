@@ -147,7 +147,7 @@ def test_counters_reach_the_pool_from_every_tier_without_waiting(redis_srv, rcli
     """Two tiers on one pool (two processes' worth): their counters sum in
     the pool's (layout.C_L2) from the writer thread, within ~0.5 s, and at
     close; the serving calls never flush them themselves."""
-    from shmcache import layout
+    from shmcache.shm import layout
     a = make_pool(dtype="float32", **POOL)
     t1 = L2Tier(a, redis_srv.url, model_id="m@1", secret=SECRET)
     t2 = L2Tier(a, redis_srv.url, model_id="m@1", secret=SECRET)

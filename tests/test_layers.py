@@ -38,20 +38,27 @@ PACKAGES = ("shmcache", "workers")
 # relative to it, "l2" being shmcache/l2/__init__.py, except those of the
 # workers package, which are written whole.
 LAYERS = [
-    ("leaves", "errors platform_linux loosemap table_chains _hot _mlxbuf"),
-    ("platform seam, byte map, BLAS binding",
-     "platform layout hot_params_gen blas blas_elf blas_find blas_load"),
-    ("segment file, pool lock, the hot operations", "segment lock hot_ops"),
-    ("shared structures", "blocks freelist index chunks refs claims slots"),
-    ("one mapped pool, recovery, reclaim, this process's holder, reserves, the read-only view",
-     "pool recovery reclaim holder reserve inspect_pool"),
-    ("the block ledger, K/V arena, live views", "core fastpath kv views"),
-    ("the manager's owners over the ledger, seed containers",
-     "tables prefix kv_ops admin seed_views"),
-    ("the manager", "paged_cache"),
-    ("the package, mlx-lm caches, L2 tier, model sources",
-     ". mlx_lm weights l2 l2.client l2.codec l2.identity l2.store l2.tier "
-     "demo_model gguf model_source"),
+    ("leaves: the package's errors, the compiled modules, the folders' own __init__",
+     "errors _hot _mlxbuf system shm pool manager models system.platform_linux"),
+    ("system/: the platform seam, the BLAS binding",
+     "system.platform system.blas system.blas_elf system.blas_find system.blas_load"),
+    ("shm/: the byte map, the C parameter table, leaf structures",
+     "shm.layout shm.hot_params_gen shm.loosemap shm.table_chains"),
+    ("shm/: the segment file, the pool lock, the hot operations",
+     "shm.segment shm.lock shm.hot_ops"),
+    ("shm/: the shared structures",
+     "shm.blocks shm.freelist shm.index shm.chunks shm.refs shm.claims shm.slots"),
+    ("pool/: one mapped pool, recovery, reclaim, this process's holder, reserves, "
+     "the read-only view",
+     "pool.pool pool.recovery pool.reclaim pool.holder pool.reserve pool.inspect_pool"),
+    ("manager/: the block ledger, K/V arena, live views",
+     "manager.core manager.fastpath manager.kv manager.views"),
+    ("manager/: the owners over the ledger, seed containers",
+     "manager.tables manager.prefix manager.kv_ops manager.admin manager.seed_views"),
+    ("manager/: the facade with the seed's API", "manager.paged_cache"),
+    ("the package, models/ (mlx-lm caches over the pool, weights, model sources), l2/",
+     ". models.mlx_lm models.weights models.demo_model models.gguf models.model_source "
+     "l2 l2.client l2.codec l2.identity l2.store l2.tier"),
     ("messages: HTTP front <-> supervisor, supervisor <-> worker processes",
      "workers workers.protocol workers.wire"),
     ("a worker process (python -m workers.worker.main): its engine",
@@ -215,27 +222,27 @@ def test_no_import_cycle():
 def test_the_scanner_counts_lazy_imports_and_skips_type_checking():
     src = ("from typing import TYPE_CHECKING\n"
            "import numpy\n"
-           "from .. import layout as L\n"
+           "from ..shm import layout as L\n"
            "from ..errors import CapacityError\n"
            "from . import codec\n"
-           "import shmcache.refs\n"
+           "import shmcache.shm.refs\n"
            "if TYPE_CHECKING:\n"
-           "    from ..paged_cache import PagedCacheManager\n"
+           "    from ..manager.paged_cache import PagedCacheManager\n"
            "def f():\n"
-           "    from ..pool import Pool\n"
+           "    from ..pool.pool import Pool\n"
            "    from shmcache import _hot\n")
-    known = {"shmcache", "shmcache.l2", "shmcache.l2.x", "shmcache.l2.codec", "shmcache.layout",
-             "shmcache.errors", "shmcache.refs", "shmcache.paged_cache", "shmcache.pool",
+    known = {"shmcache", "shmcache.l2", "shmcache.l2.x", "shmcache.l2.codec", "shmcache.shm.layout",
+             "shmcache.errors", "shmcache.shm.refs", "shmcache.manager.paged_cache", "shmcache.pool.pool",
              "shmcache._hot"}
     got = imports_of(src, "shmcache.l2.x", False, known)
-    assert got == [("shmcache.layout", 3), ("shmcache.errors", 4), ("shmcache.l2.codec", 5),
-                   ("shmcache.refs", 6), ("shmcache.pool", 10), ("shmcache._hot", 11)]
+    assert got == [("shmcache.shm.layout", 3), ("shmcache.errors", 4), ("shmcache.l2.codec", 5),
+                   ("shmcache.shm.refs", 6), ("shmcache.pool.pool", 10), ("shmcache._hot", 11)]
 
 
 # ============================================ private attributes stay in their class
 # (path relative to the repository, the expression as ast.unparse writes it) -> why
 PRIVATE_ALLOWED = {
-    ("shmcache/blas_elf.py",
+    ("shmcache/system/blas_elf.py",
      "ctypes.CDLL(libpath, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)._handle"):
         "ctypes documents CDLL._handle as the library's system handle; there is no other name",
     ("shmcache/server/main.py", "backend.tokenizer._tokenizer"):

@@ -1,4 +1,4 @@
-"""The byte map (shmcache/layout.py): sections aligned, in order and not
+"""The byte map (shmcache/shm/layout.py): sections aligned, in order and not
 overlapping for many parameter sets; the record types' sizes; the counter
 indices; the default capacities; and the header check that refuses every
 parameter or size a pool of this version could not have written."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shmcache import layout as L
+from shmcache.shm import layout as L
 from shmcache.errors import CorruptPoolError
 
 # block_size, max_blocks, caching, layers, kv_heads, head_dim, dtype, slots, tables, refs
@@ -70,7 +70,7 @@ def test_layout_records_its_parameters_and_derived_sizes(params):
 
 
 def test_pool_indexes_are_at_most_half_full():
-    """The probing in shmcache/index.py relies on it (a probe ends at an empty slot)."""
+    """The probing in shmcache/shm/index.py relies on it (a probe ends at an empty slot)."""
     for n in (2, 3, 100, 1000):
         lay = L.compute_layout(4, n, True, 1, 1, 8, "float16", 4, n, 2 * n)
         assert lay.hash_capacity >= 2 * n and lay.table_capacity >= 2 * n

@@ -14,14 +14,14 @@ import time
 import pytest
 
 import shmcache
-from shmcache import layout as L
-from shmcache import segment
+from shmcache.shm import layout as L
+from shmcache.shm import segment
 
 from _proc_client import lock_is_busy
 
 
 def test_a_repair_that_raises_releases_the_lock_and_leaves_the_pool_dirty(make_pool, monkeypatch):
-    from shmcache import recovery
+    from shmcache.pool import recovery
     owner = make_pool()
     other = shmcache.attach(owner.name)
     try:

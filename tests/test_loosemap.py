@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from shmcache.loosemap import LooseMap
+from shmcache.shm.loosemap import LooseMap
 
 
 def _check(m: LooseMap, model: dict) -> None:

@@ -1,4 +1,4 @@
-"""shmcache.mlx_lm: mlx-lm's KVCache written through to a pool, one sequence
+"""shmcache.models.mlx_lm: mlx-lm's KVCache written through to a pool, one sequence
 at a time: cold, warm from a prefix another process published, forked three
 ways, publishing while decoding, trim, acquire; and the models and pools it
 refuses. Batches (``PoolBatchKVCache``) are in ``test_mlx_lm_batch.py``.
@@ -25,7 +25,7 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache  # noqa: E402
 
-from shmcache import mlx_lm as P  # noqa: E402
+from shmcache.models import mlx_lm as P  # noqa: E402
 
 from _mlx_lm import (BS, TEXT, alone, assert_pool_holds, encode, eq, generate,  # noqa: E402
                      prefill, single_kv, start_seq, step1)
@@ -67,7 +67,7 @@ import shmcache
 import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.generate import generate_step
-from shmcache import mlx_lm as P
+from shmcache.models import mlx_lm as P
 
 name, path, bs, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 prompt = json.loads(sys.argv[5])

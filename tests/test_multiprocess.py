@@ -17,8 +17,8 @@ import time
 import pytest
 
 import shmcache
-from shmcache import layout as L
-from shmcache import segment
+from shmcache.shm import layout as L
+from shmcache.shm import segment
 
 from _proc_client import (RemoteError, family_tokens, lock_is_busy, verify_blocks,
                           wait_for_lock_waiter)

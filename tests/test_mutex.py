@@ -1,4 +1,4 @@
-"""The pool mutex (shmcache.lock, shmcache.platform_linux,
+"""The pool mutex (shmcache.shm.lock, shmcache.system.platform_linux,
 shmcache/_native/hot_mutex.h) and the C fast paths.
 
 The C accelerator and the ctypes fallback drive the same robust mutex, so
@@ -19,8 +19,8 @@ import threading
 import pytest
 
 import shmcache
-from shmcache import layout as L
-from shmcache import lock as shlock, segment
+from shmcache.shm import layout as L
+from shmcache.shm import lock as shlock, segment
 
 from _helpers import LOCK_COUNTERS
 from _mutex import map_mutex, needs_c, python_only
@@ -71,7 +71,7 @@ def test_a_dead_holder_hands_the_lock_on_and_marks_the_pool_dirty(make_pool, pur
     held = mgr.get_new_blocks(2)
     code = textwrap.dedent(f"""
         import mmap, os, sys
-        from shmcache import lock as shlock, segment
+        from shmcache.shm import lock as shlock, segment
         fd = os.open(segment.path_for({mgr.name!r}), os.O_RDWR)
         mm = mmap.mmap(fd, shlock.MUTEX_MAP_SIZE)
         m = shlock.open_mutex(mm)

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from shmcache import layout as L
+from shmcache.shm import layout as L
 
 from _mutex import needs_c
 
@@ -58,7 +58,7 @@ def test_a_turn_nobody_takes_is_skipped_and_the_wait_logged(make_pool):
 HOLDER = textwrap.dedent("""
     import mmap, os, sys
     import numpy as np
-    from shmcache import layout as L, lock as shlock, segment
+    from shmcache.shm import layout as L, lock as shlock, segment
     fd = os.open(segment.path_for(sys.argv[1]), os.O_RDWR)
     mm = mmap.mmap(fd, os.fstat(fd).st_size)
     c = np.frombuffer(mm, np.int64, L.NUM_COUNTERS, L.HEADER_SIZE)

@@ -1,4 +1,4 @@
-"""The pool mutex's wake-ups (shmcache.lock, shmcache.platform_linux,
+"""The pool mutex's wake-ups (shmcache.shm.lock, shmcache.system.platform_linux,
 shmcache/_native/hot_mutex.h): no live waiter sleeps on a free lock,
 whoever is killed and when; a lock word naming a thread that is gone is
 taken over; and a fused C operation that finds the lock busy waits its
@@ -15,8 +15,8 @@ import threading
 
 import pytest
 
-from shmcache import layout as L
-from shmcache import lock as shlock, segment
+from shmcache.shm import layout as L
+from shmcache.shm import lock as shlock, segment
 
 from _mutex import map_mutex, native_of, start_holder, tell
 from _proc_client import wait_for_lock_waiter

@@ -1,4 +1,4 @@
-"""The seed API (shmcache.paged_cache) over private and named pools: the
+"""The seed API (shmcache.manager.paged_cache) over private and named pools: the
 public surface and signatures, the manager's attributes, stats, and
 copy-on-write on a shared block that is not a table's last.
 
@@ -16,7 +16,7 @@ import random
 
 import pytest
 
-from shmcache import paged_cache as pc
+from shmcache.manager import paged_cache as pc
 from shmcache.errors import OutOfBlocksError
 
 from _helpers import cached_table, full_scan, stats_dict, toks
@@ -256,7 +256,7 @@ def test_shared_blocks_stat_does_not_drift(manager):
 # ====================================================================== copy-on-write
 def test_prepare_append_copies_a_shared_block_that_is_not_the_last(manager):
     """Regression (review of the core library; prepare_append is in
-    shmcache/tables.py): a partly filled shared block followed by a pre-added
+    shmcache/manager/tables.py): a partly filled shared block followed by a pre-added
     empty block: the new token lands in the shared one, which must be
     copied, not written in place."""
     t = manager.create_block_table("a")

@@ -1,4 +1,4 @@
-"""Prefix caching (shmcache/prefix.py): publishing full blocks under chain
+"""Prefix caching (shmcache/manager/prefix.py): publishing full blocks under chain
 hashes (cache_full_blocks), lookup (get_computed_blocks, acquire_computed_blocks,
 find_shared_prefix, get_cached_block), the seed's legacy per-prefix calls
 (register_block_hash, find_cached_block, compute_block_hash), salts, and the
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from shmcache import paged_cache as pc
+from shmcache.manager import paged_cache as pc
 from shmcache.errors import CapacityError
 
 from _helpers import cached_table, snapshot, toks, unchanged

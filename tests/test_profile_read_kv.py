@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from shmcache import kv as kvmod
+from shmcache.manager import kv as kvmod
 from tools.bench import profile_read_kv
 
 

@@ -1,4 +1,4 @@
-"""What a departed process held is released (``shmcache.reclaim``): SIGKILL
+"""What a departed process held is released (``shmcache.pool.reclaim``): SIGKILL
 at random moments while others work, every kind of reference, close() as
 death does, pid reuse, and dead slots reused.
 
@@ -19,8 +19,8 @@ import time
 import psutil
 import pytest
 
-from shmcache import layout as L
-from shmcache import segment
+from shmcache.shm import layout as L
+from shmcache.shm import segment
 
 from _deaths import (BLOCKED_BOUND, BS, LAYOUT, dead_entries, lock_is_held_elsewhere, publish,
                      ref_counts)

@@ -1,5 +1,5 @@
 """Processes that die in the middle of an update under the pool lock, and
-records found corrupt: the repair (``shmcache.recovery``) that whoever takes
+records found corrupt: the repair (``shmcache.pool.recovery``) that whoever takes
 the lock next runs.
 
 Workers are ``tests/_proc_server.py`` started with ``subprocess.Popen``
@@ -18,8 +18,8 @@ import time
 import pytest
 
 import shmcache
-from shmcache import layout as L
-from shmcache import segment
+from shmcache.shm import layout as L
+from shmcache.shm import segment
 
 from _deaths import (BLOCKED_BOUND, BS, LAYOUT, dead_entries, lock_is_held_elsewhere, publish,
                      ref_counts)
@@ -204,7 +204,7 @@ def test_repair_cuts_a_list_at_an_id_naming_no_block(manager):
     naming no block (or a link out of range, or a chunk met before), a loose
     list keeps its good ids: the lists are the truth only as far as they
     make sense."""
-    from shmcache import layout as L
+    from shmcache.shm import layout as L
     p = manager.pool
     t = manager.create_block_table("a")
     manager.prepare_append(t, 12)                   # three blocks
@@ -222,7 +222,7 @@ def test_repair_cuts_a_list_at_an_id_naming_no_block(manager):
 
 
 def test_repair_after_a_cycle_and_a_shared_chunk(manager):
-    from shmcache import layout as L
+    from shmcache.shm import layout as L
     p = manager.pool
     a = manager.create_block_table("a")
     manager.prepare_append(a, 4 * 20)               # twenty blocks: two chunks
@@ -240,7 +240,7 @@ def test_repair_after_a_cycle_and_a_shared_chunk(manager):
 
 
 def test_an_operation_meeting_a_corrupt_list_raises_then_the_pool_is_whole(manager):
-    from shmcache import layout as L
+    from shmcache.shm import layout as L
     from shmcache.errors import CorruptPoolError
     p = manager.pool
     t = manager.create_block_table("a")

@@ -1,4 +1,4 @@
-"""References held in chunked block-id lists (shmcache/refs.py): sharing
+"""References held in chunked block-id lists (shmcache/shm/refs.py): sharing
 costs 4 bytes a reference, so forks and many requests on one long prefix fit
 while the pool has the blocks; running out of room for references is
 reported as the seed reports running out of blocks; capacity shows in
@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from shmcache import layout as L
+from shmcache.shm import layout as L
 from shmcache.errors import CapacityError, OutOfBlocksError
 
 from _proc_client import family_tokens

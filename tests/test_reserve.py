@@ -1,4 +1,4 @@
-"""Per-process block reserves (shmcache/reserve.py, _native/hot_reserve.h):
+"""Per-process block reserves (shmcache/pool/reserve.py, _native/hot_reserve.h):
 frees and allocations of a manager with a reserve skip the pool lock, the
 blocks count as free, other processes take them when the free list runs
 short, and a process that dies or exits gives them back.
@@ -16,9 +16,9 @@ import sys
 
 import pytest
 
-from shmcache import layout as L
-from shmcache import recovery
-from shmcache.lock import ACCELERATED
+from shmcache.shm import layout as L
+from shmcache.pool import recovery
+from shmcache.shm.lock import ACCELERATED
 
 from _helpers import snapshot, unchanged
 

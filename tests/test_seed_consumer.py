@@ -1,6 +1,6 @@
 """The seed's own methods keep the seed's behaviour, so that code written for
 the seed runs unchanged: vllm-mlx 0.6.0's ``BlockAwarePrefixCache`` over
-``shmcache.paged_cache``; the seed's statistics, side by side with the seed
+``shmcache.manager.paged_cache``; the seed's statistics, side by side with the seed
 module on the same calls; ``table.block_ids`` as a list that changes the
 table; ``block.cache_data``; the raw free-queue calls. (``trim_table``:
 tests/test_tables.py.)
@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from shmcache import paged_cache as pc
+from shmcache.manager import paged_cache as pc
 
 from _helpers import BS, cached_table, snapshot, toks
 from _helpers import pair as pair  # pytest fixtures

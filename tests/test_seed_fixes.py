@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import shmcache
-from shmcache import paged_cache as pc
+from shmcache.manager import paged_cache as pc
 
 from _helpers import cached_table, kv_data, payload, toks
 from _helpers import kvpool as kvpool, pair as pair  # pytest fixtures

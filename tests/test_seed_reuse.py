@@ -1,7 +1,7 @@
 """Prefix reuse for code that registers blocks the seed's way, one block's
 tokens at a time right after appending the block to a table (vllm-mlx
 0.6.0's ``BlockAwarePrefixCache.store_cache``): a pool keys each block by
-its whole prefix (``shmcache.table_chains``), so it gets the seed's reuse,
+its whole prefix (``shmcache.shm.table_chains``), so it gets the seed's reuse,
 and never hands a block out at a position it was not computed at, where the
 seed does.
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from shmcache import paged_cache as pc
+from shmcache.manager import paged_cache as pc
 
 from _helpers import toks
 

@@ -1,5 +1,5 @@
 """The seed's container attributes as live views of the pool
-(shmcache/seed_views.py): ``blocks`` (BlocksView), ``allocated_blocks``
+(shmcache/manager/seed_views.py): ``blocks`` (BlocksView), ``allocated_blocks``
 (AllocatedBlocksView), ``request_tables`` (RequestTablesView),
 ``hash_to_block`` (LegacyHashView), ``cached_block_hash_to_block``
 (SharedHashMap), ``stats`` (SharedStats) and ``free_block_queue``
@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import pytest
 
-from shmcache import paged_cache as pc
+from shmcache.manager import paged_cache as pc
 from shmcache.errors import OutOfBlocksError
 
 from _helpers import cached_table, snapshot, toks, unchanged

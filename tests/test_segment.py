@@ -1,4 +1,4 @@
-"""Pool segments in /dev/shm (``shmcache.segment``): permissions, sizing,
+"""Pool segments in /dev/shm (``shmcache.shm.segment``): permissions, sizing,
 names, and segments another user planted or can write.
 
 Their lifetime is in ``test_segment_lifetime.py``, their creation (and
@@ -13,8 +13,8 @@ import stat
 import pytest
 
 import shmcache
-from shmcache import layout as L
-from shmcache import segment
+from shmcache.shm import layout as L
+from shmcache.shm import segment
 from shmcache.errors import InsufficientSharedMemoryError, PoolExistsError, PoolNotFoundError
 
 from conftest import new_name

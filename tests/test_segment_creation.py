@@ -14,8 +14,8 @@ import time
 import pytest
 
 import shmcache
-from shmcache import layout as L
-from shmcache import segment
+from shmcache.shm import layout as L
+from shmcache.shm import segment
 from shmcache.errors import PoolExistsError
 
 from _shm import private_names, shm_path
@@ -25,7 +25,7 @@ from _shm import private_names, shm_path
 SLOW_CREATOR = """
     import sys, time
     import shmcache
-    from shmcache.pool import Pool
+    from shmcache.pool.pool import Pool
     delay = float(sys.argv[2])
     init = Pool._initialise
     def slow(self):
@@ -83,7 +83,7 @@ def test_attach_during_creation_gives_up_after_its_timeout(pool_name):
 
 def test_attach_after_the_creator_died_creating_fails_at_once(pool_name):
     from shmcache.errors import IncompatiblePoolError
-    from shmcache.inspect_pool import cleanup
+    from shmcache.pool.inspect_pool import cleanup
     p = _slow_creator(pool_name, 60)
     p.kill()
     p.wait()
@@ -101,7 +101,7 @@ def test_attach_after_the_creator_died_creating_fails_at_once(pool_name):
 
 
 def test_a_failed_creation_leaves_no_half_made_file(pool_name, monkeypatch):
-    from shmcache.pool import Pool
+    from shmcache.pool.pool import Pool
 
     def boom(self):
         raise RuntimeError("initialisation failed")

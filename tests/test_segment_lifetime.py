@@ -14,7 +14,7 @@ import textwrap
 import pytest
 
 import shmcache
-from shmcache import segment
+from shmcache.shm import segment
 from shmcache.errors import PoolExistsError, PoolNotFoundError
 
 from _shm import private_names, shm_path

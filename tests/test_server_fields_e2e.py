@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from shmcache.demo_model import build_model_dir
+    from shmcache.models.demo_model import build_model_dir
     path = build_model_dir(tmp_path_factory.mktemp("model") / MODEL_NAME, "llama")
     use_tool_template(path)
     return path

@@ -27,7 +27,7 @@ import httpx
 import psutil
 import pytest
 
-from shmcache import segment
+from shmcache.shm import segment
 
 from _serve_proc import MODEL_NAME, REPO, Server, printable, serving
 from _serve_proc import model_dir, reference  # pytest fixtures

@@ -40,7 +40,7 @@ def redis_srv():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from shmcache.demo_model import build_model_dir
+    from shmcache.models.demo_model import build_model_dir
     return build_model_dir(tmp_path_factory.mktemp("model") / MODEL_NAME, "llama")
 
 
@@ -63,7 +63,7 @@ def hosts(redis_srv, model_dir):
 @pytest.fixture(scope="module")
 def codec(model_dir, reference):
     """The hosts' keys and values, computed here independently."""
-    from shmcache.mlx_lm import pool_layout
+    from shmcache.models.mlx_lm import pool_layout
     lay = pool_layout(reference.model)
     return L2.Codec(L2.KVLayout(L2.model_identity(model_dir), lay["dtype"], BS, lay["num_layers"],
                                 lay["num_kv_heads"], lay["head_dim"]), SECRET.encode())

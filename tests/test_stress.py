@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from shmcache import segment
+from shmcache.shm import segment
 from tools.stress import worker as stress_worker
 
 from conftest import new_name

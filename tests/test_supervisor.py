@@ -17,8 +17,8 @@ import time
 import psutil
 import pytest
 
-from shmcache import segment
-from shmcache.demo_model import ensure_demo_model
+from shmcache.shm import segment
+from shmcache.models.demo_model import ensure_demo_model
 from tools.demo.run import QUESTIONS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,5 +1,5 @@
 """What a manager holds through the seed API: allocating and freeing blocks,
-block tables (shmcache.tables: forks, appends), and close() releasing it all."""
+block tables (shmcache.manager.tables: forks, appends), and close() releasing it all."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import os
 import pytest
 
 import shmcache
-from shmcache import layout as L
-from shmcache import paged_cache as pc
+from shmcache.shm import layout as L
+from shmcache.manager import paged_cache as pc
 from shmcache.errors import OutOfBlocksError, PoolClosedError
 
 from _helpers import BS, cached_table, kv_data, payload, snapshot, toks, unchanged

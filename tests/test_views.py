@@ -1,4 +1,4 @@
-"""Live views of shared records (shmcache/views.py): ``SharedBlock``,
+"""Live views of shared records (shmcache/manager/views.py): ``SharedBlock``,
 ``SharedBlockTable`` and a table's ``block_ids`` (``TableBlockIds``).
 
 A view holds only (manager, id), so what one manager writes another sees at
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from shmcache import paged_cache as pc
+from shmcache.manager import paged_cache as pc
 
 from _helpers import snapshot, toks, unchanged
 from _helpers import pair as pair  # pytest fixtures

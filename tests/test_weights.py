@@ -1,4 +1,4 @@
-"""shmcache.weights: a model's weights over one read-only shared file mapping.
+"""shmcache.models.weights: a model's weights over one read-only shared file mapping.
 
 Models loaded with load_model_shared give exactly mlx_lm.load's logits and
 tokens (float32, bfloat16, and quantized with a per-layer override); their
@@ -24,8 +24,8 @@ import psutil
 import pytest
 from mlx.utils import tree_flatten
 
-from shmcache import weights
-from shmcache.demo_model import build_model_dir
+from shmcache.models import weights
+from shmcache.models.demo_model import build_model_dir
 
 pytestmark = pytest.mark.skipif(weights._native()[0] is None,
                                 reason=f"weights cannot be mapped here: {weights._native()[1]}")
@@ -181,7 +181,7 @@ def test_casts_make_new_arrays_and_the_file_is_unchanged(tmp_path, weights_dir):
 DONATE = """
 import sys
 import mlx.core as mx
-from shmcache import weights
+from shmcache.models import weights
 m = weights.map_safetensors(sys.argv[1])
 for name in list(m.arrays):
     for op in (mx.exp, lambda a: a.astype(mx.float16), lambda a: a + 1, lambda a: a.reshape(-1)):
@@ -243,7 +243,7 @@ def test_malformed_files_name_what_is_wrong(tmp_path, damage, message):
 def test_an_unmappable_model_falls_back_to_mlx_lm_with_the_reason(tmp_path, monkeypatch, caplog):
     d = build_model_dir(tmp_path / "m", "llama", **SMALL)
     monkeypatch.setenv("SHMCACHE_PURE", "1")
-    with caplog.at_level("WARNING", logger="shmcache.weights"):
+    with caplog.at_level("WARNING", logger="shmcache.models.weights"):
         model, _ = weights.load_model_shared(d)
     assert "SHMCACHE_PURE is set" in caplog.text
     assert model(mx.array([[1, 2, 3]])).shape[-1] > 0

@@ -86,7 +86,7 @@ setup() {
   fi
   (cd "$ROOT" && "$VENV/bin/python" - <<'PY'
 import shmcache, shmcache._hot          # first: it binds the OpenBLAS before mlx loads
-import shmcache.blas as blas
+import shmcache.system.blas as blas
 import numpy, mlx.core as mx, mlx_lm, transformers, fastapi, uvicorn, httpx, psutil, msgspec
 i = blas.info()
 print(f"[device_bench] ok: numpy {numpy.__version__}, mlx {mx.__version__}, "

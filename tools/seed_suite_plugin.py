@@ -1,8 +1,8 @@
 """pytest plugin for vllm-mlx's own paged-cache tests (tools/seed_suite.py):
-``SHMCACHE_SEED_SUITE=pool`` runs them over ``shmcache.paged_cache``, ``seed``
+``SHMCACHE_SEED_SUITE=pool`` runs them over ``shmcache.manager.paged_cache``, ``seed``
 (the default) over vllm-mlx's own module.
 
-Over a pool, ``vllm_mlx.paged_cache`` *is* ``shmcache.paged_cache`` (put in
+Over a pool, ``vllm_mlx.paged_cache`` *is* ``shmcache.manager.paged_cache`` (put in
 ``sys.modules`` before vllm-mlx imports it), so the tests' own imports
 (``from vllm_mlx.paged_cache import PagedCacheManager``) and vllm-mlx's
 ``BlockAwarePrefixCache`` get the pool's classes; nothing in the tests is
@@ -31,7 +31,7 @@ def pytest_configure(config):
     if "vllm_mlx.paged_cache" in sys.modules or "vllm_mlx.prefix_cache" in sys.modules:
         raise pytest.UsageError("vllm_mlx.paged_cache was imported before the plugin could "
                                 "put shmcache's in its place")
-    from shmcache import paged_cache as pc
+    from shmcache.manager import paged_cache as pc
     sys.modules["vllm_mlx.paged_cache"] = pc
     vllm_mlx.paged_cache = pc
     from vllm_mlx import prefix_cache

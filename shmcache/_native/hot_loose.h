@@ -2,7 +2,7 @@
  * every step, in C: alloc() (allocate blocks as loose references of the
  * caller's slot) and free() (release a batch of them). Included by hot.cpp.
  *
- * They do exactly what shmcache/fastpath.py does (which stays as the
+ * They do exactly what shmcache/manager/fastpath.py does (which stays as the
  * reference, and the path taken where this module is not loaded), plus
  * taking and leaving the lock (hot_mutex.h), in one call: in Python a call
  * costs as much as the work. They only ever *try* the lock: holding the GIL

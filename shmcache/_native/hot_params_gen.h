@@ -1,6 +1,6 @@
-/* shmcache/_native/hot_params_gen.h: GENERATED from shmcache/layout.py's
+/* shmcache/_native/hot_params_gen.h: GENERATED from shmcache/shm/layout.py's
  * HOT_PARAMS by
- *     python -m shmcache.hot_params_gen > shmcache/_native/hot_params_gen.h
+ *     python -m shmcache.shm.hot_params_gen > shmcache/_native/hot_params_gen.h
  * Do not edit: change HOT_PARAMS and run that command (then rebuild).
  *
  * The index of each parameter in the tuple Hot() takes (hot_params.h's

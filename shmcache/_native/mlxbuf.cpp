@@ -3,7 +3,7 @@
 //
 // read_layer(arena, ids, layer, dtype) -> (k, v) | None
 //     One layer's K and V of the blocks `ids` from the pool's arena (a
-//     C-contiguous (L, max_blocks, 2, H, T, D) buffer, see shmcache/layout.py),
+//     C-contiguous (L, max_blocks, 2, H, T, D) buffer, see shmcache/shm/layout.py),
 //     each an evaluated (H, len(ids)*T, D) array of `dtype`, both views of
 //     one new MLX buffer that the blocks are copied into, in block order,
 //     with the GIL released. None (nothing done) unless `ids` is a list or
@@ -32,7 +32,7 @@
 // evaluate it. Here the buffer comes from MLX's allocator and the arrays are
 // made the way MLX's own CPU kernels make their outputs (allocator::malloc,
 // then copy_shared_buffer for the views). That is backend API, whose layout
-// may change between versions: shmcache/kv.py uses this module only with the
+// may change between versions: shmcache/manager/kv.py uses this module only with the
 // MLX version it was compiled against, and after a self-check.
 //
 // NOTE: one thread: at the sizes the engine reads (one layer of one prefix,

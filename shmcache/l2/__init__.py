@@ -5,7 +5,7 @@ l2="redis://...")``, ``shmcache.attach(..., l2=...)`` or ``shmcache serve
 --l2 redis://...``) a process also writes every block it publishes to Redis
 (in a background thread) and, when a prompt's prefix is not all in L1, asks
 Redis for the chain's next blocks, loads them into fresh pool blocks,
-publishes them in L1 and computes only the rest (``shmcache.mlx_lm``).
+publishes them in L1 and computes only the rest (``shmcache.models.mlx_lm``).
 
 The modules, from the bottom up:
 
@@ -25,7 +25,7 @@ See docs/design.md, "The Redis tier (L2)", for the consistency argument.
 
 from __future__ import annotations
 
-from ..layout import L2_COUNTERS as COUNTERS
+from ..shm.layout import L2_COUNTERS as COUNTERS
 from .client import Counters, Health, check_url, connect, is_timeout, redact
 from .codec import (_HDR, _MAC_OFF, DEFAULT_MAX_VALUE,  # noqa: F401  (_HDR, _MAC_OFF: tests)
                     FORMAT_VERSION, HEADER_BYTES, KEY_PREFIX, MAGIC, Codec, KVLayout, Rejected, fingerprint)

@@ -19,7 +19,7 @@ import threading
 import time
 from urllib.parse import urlsplit, urlunsplit
 
-from ..layout import L2_COUNTERS as COUNTERS
+from ..shm.layout import L2_COUNTERS as COUNTERS
 
 log = logging.getLogger("shmcache.l2")
 

@@ -27,7 +27,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from ..layout import KV_DTYPES, kv_block_bytes
+from ..shm.layout import KV_DTYPES, kv_block_bytes
 
 FORMAT_VERSION = 1
 KEY_PREFIX = b"shmcache:kv1:"

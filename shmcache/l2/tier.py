@@ -1,4 +1,4 @@
-"""The L2 of one pool manager: what ``shmcache.mlx_lm`` and the server call.
+"""The L2 of one pool manager: what ``shmcache.models.mlx_lm`` and the server call.
 
 :meth:`L2Tier.start` runs after an L1 lookup: it asks Redis for the chain's
 next blocks on the store's fetch thread (the whole lookup bounded by
@@ -20,7 +20,7 @@ from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 
-from ..layout import C_L2
+from ..shm.layout import C_L2
 from .codec import DEFAULT_MAX_VALUE, Codec, KVLayout
 from .store import DEFAULT_QUEUE_BYTES, DEFAULT_RETRY, DEFAULT_TIMEOUT, RedisL2
 

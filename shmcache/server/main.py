@@ -74,7 +74,7 @@ def _byte_count(text: str) -> int:
 
 
 def _pool_name(text: str) -> str:
-    from ..segment import check_name
+    from ..shm.segment import check_name
     try:
         return check_name(text)
     except ValueError as e:
@@ -286,7 +286,7 @@ def _run(args, sock) -> int:
         from .app import create_app
         from workers.supervisor.backend import WorkerBackend
 
-        from ..model_source import resolve_model
+        from ..models.model_source import resolve_model
         model = resolve_model(args.model, log=log.info)
         if args.model is None:
             log.info("no --model given: serving %s", model)
@@ -295,7 +295,7 @@ def _run(args, sock) -> int:
         if getattr(args, "cluster_secret", None) and not l2:
             log.warning("--cluster-secret without --l2 does nothing")
         from ..errors import InsufficientSharedMemoryError, ShmCacheError
-        from ..mlx_lm import NotPoolableError
+        from ..models.mlx_lm import NotPoolableError
         from workers.supervisor.worker_procs import PoolDoesNotFit, reclaim_dead_pools
         template = None
         if getattr(args, "chat_template", None):

@@ -84,14 +84,14 @@ def main(argv=None) -> int:
     if binary is None:
         log("redis-server not found (apt-get install redis-server): nothing measured")
         return 1
-    from shmcache.demo_model import ensure_demo_model
+    from shmcache.models.demo_model import ensure_demo_model
     if args.model is None:
         args.model = str(ensure_demo_model())
     cfg = json.load(open(os.path.join(args.model, "config.json")))
     from mlx_lm.utils import load_model
 
     import shmcache  # noqa: F401  (the BLAS first)
-    from shmcache.mlx_lm import pool_layout
+    from shmcache.models.mlx_lm import pool_layout
     model, _ = load_model(__import__("pathlib").Path(args.model), lazy=True)
     lay = pool_layout(model)
     del model

@@ -86,7 +86,7 @@ def main(argv=None) -> int:
               "tools/bench/build_llama_cpp_wheel.sh and install the wheel", file=sys.stderr)
         return 2
 
-    from shmcache import model_source     # first: it binds the fast BLAS before mlx loads
+    from shmcache.models import model_source  # first: it binds the fast BLAS before mlx loads
 
     import mlx.core as mx
     import numpy as np

@@ -13,7 +13,7 @@ import sys
 import time
 
 import shmcache
-from shmcache import segment
+from shmcache.shm import segment
 
 PREFIX = f"bench-{os.getpid()}-"
 BATCH = 64

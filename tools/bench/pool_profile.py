@@ -25,7 +25,7 @@ def profile(n_pair: int = 30000, n_batch: int = 1500, n_prefix: int = 203, top: 
     import cProfile
     import pstats
 
-    from shmcache.views import SharedBlock
+    from shmcache.manager.views import SharedBlock
     pools = Pools()
     try:
         _, m = pools.create("prof", max_blocks=1000)

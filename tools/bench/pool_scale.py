@@ -21,7 +21,7 @@ import threading
 import time
 
 import shmcache
-from shmcache import segment
+from shmcache.shm import segment
 from tools.bench.table import row
 from tools.bench.pool_fixtures import BATCH, PREFIX, ROOT, Pools, perf, seed_batch_free
 
@@ -64,7 +64,7 @@ def bench_create(seed, trials: int) -> list:
         if seed:
             t_seed.append(create_seed())
     # default layout: reserve the KV arena too (skip if /dev/shm is too small)
-    from shmcache import layout as L
+    from shmcache.shm import layout as L
     probe = L.compute_layout(64, nb, True, 1, 1, 8, "float16", 64, 4096, 2 * nb + 256)
     st = os.statvfs(segment.SHM_DIR)
     full_note = ""

@@ -5,7 +5,7 @@
 
 ``lengths``: the engine (``workers.worker.engine.Engine`` over a fresh
 pool, ``--prefill-step`` 512) against mlx-lm's own ``KVCache`` fed the same
-512-token chunks, on the demo model (``shmcache.demo_model``), each a
+512-token chunks, on the demo model (``shmcache.models.demo_model``), each a
 single run; then the time of each 512-token chunk by its position.
 ``rows``: the process's RSS growth, the engine's ``working_bytes()`` peak
 and the context's K/V size while one request's N samples decode.
@@ -27,8 +27,8 @@ STEP = 512
 def _model():
     from mlx_lm import load
 
-    from shmcache.demo_model import build_model_dir
-    from shmcache.mlx_lm import pool_layout
+    from shmcache.models.demo_model import build_model_dir
+    from shmcache.models.mlx_lm import pool_layout
     path = build_model_dir(os.path.join(tempfile.gettempdir(), "shmcache-bench-prefill"), "llama")
     model, _ = load(str(path))
     return model, pool_layout(model)

@@ -26,7 +26,7 @@ import shmcache               # first: it picks MLX's BLAS before mlx is importe
 import mlx.core as mx
 import numpy as np
 
-from shmcache import kv as kvmod
+from shmcache.manager import kv as kvmod
 
 SHAPES = {"llama8b": (8, 128, "float16"), "demo": (4, 32, "float32")}   # (H, D, dtype)
 BLOCK = 16

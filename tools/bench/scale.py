@@ -130,7 +130,7 @@ def worker(name: str, mix: str, start_at: float, seconds: float, seed: int, out:
                 mgr.free_block_batch(mgr.get_new_blocks(16))
             ops += 64
     elif mix == "control":
-        from shmcache.blocks import chain_hashes
+        from shmcache.shm.blocks import chain_hashes
         root = os.urandom(16)
         while time.time() < end:
             for _ in range(4):

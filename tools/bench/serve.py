@@ -1,7 +1,7 @@
 """Serve workloads several ways, side by side: ``shmcache serve`` against mlx_lm.server.
 
 Configurations (``--configs`` picks some, comma-separated; all on one BLAS,
-Debian's OpenBLAS: shmcache binds it itself (shmcache.blas, one thread per
+Debian's OpenBLAS: shmcache binds it itself (shmcache.system.blas, one thread per
 worker), mlx_lm.server gets it through LD_PRELOAD):
 
     a         shmcache serve --workers N (its workers share one KV cache in /dev/shm)
@@ -354,7 +354,7 @@ def parse_args(argv) -> argparse.Namespace:
     ap.add_argument("--request-timeout", type=float, default=600)
     ap.add_argument("--blas", metavar="LIB", default=None,
                     help=f"the OpenBLAS every configuration runs on (default {DEBIAN_OPENBLAS},"
-                    " else the one shmcache.blas finds)")
+                    " else the one shmcache.system.blas finds)")
     ap.add_argument("--json", metavar="PATH", help="also write every figure as JSON")
     ap.add_argument("--keep-logs", action="store_true", help="keep the servers' logs")
     args = ap.parse_args(argv)
@@ -387,7 +387,7 @@ def _blas_path(args) -> Optional[str]:
         return args.blas if os.path.isfile(args.blas) else None
     if os.path.isfile(DEBIAN_OPENBLAS):
         return DEBIAN_OPENBLAS
-    import shmcache.blas as blas             # stdlib only: does not load mlx here
+    import shmcache.system.blas as blas             # stdlib only: does not load mlx here
     return next(iter(blas.candidates()), None)
 
 

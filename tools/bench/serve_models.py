@@ -1,12 +1,12 @@
 """The models ``tools.bench.serve`` serves, named on its command line.
 
-    demo               the random demo model (shmcache.demo_model, 4 layers, hidden 256)
+    demo               the random demo model (shmcache.models.demo_model, 4 layers, hidden 256)
     realistic[:L]      random weights with Qwen2.5-0.5B's shape (qwen2, hidden 896, 14
                        heads over 2 KV heads, head_dim 64, MLP 4864, float32) and L layers
                        (default 24), the demo model's byte-level tokenizer (a small
                        vocabulary); built once under the cache directory and reused
     PATH               an mlx-lm model directory (or whatever
-                       ``shmcache.model_source.resolve_model`` accepts, where it exists)
+                       ``shmcache.models.model_source.resolve_model`` accepts, where it exists)
 
 Models are built in a subprocess (mlx is not loaded into the benchmark), into
 a temporary directory renamed into place, so a half-built model is never used.
@@ -53,7 +53,7 @@ def _build_realistic(layers: int) -> Path:
     log(f"building the realistic model ({REALISTIC_ARCH}, {layers} layers, hidden "
         f"{REALISTIC['hidden_size']}, random weights) in {target} ...")
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    code = ("import json, sys\nfrom shmcache.demo_model import build_model_dir\n"
+    code = ("import json, sys\nfrom shmcache.models.demo_model import build_model_dir\n"
             "build_model_dir(sys.argv[1], sys.argv[2], num_hidden_layers=int(sys.argv[3]), "
             "**json.loads(sys.argv[4]))\n")
     try:
@@ -74,7 +74,7 @@ def _build_realistic(layers: int) -> Path:
 def resolve(spec: str) -> tuple[str, str]:
     """(model directory, a label) for the --model argument; ModelError if unusable."""
     if spec == "demo":
-        from shmcache.demo_model import ensure_demo_model
+        from shmcache.models.demo_model import ensure_demo_model
         return str(ensure_demo_model()), "demo (llama, 4 layers, hidden 256)"
     if spec == "realistic" or spec.startswith("realistic:"):
         raw = spec.partition(":")[2] or str(REALISTIC_LAYERS)
@@ -88,7 +88,7 @@ def resolve(spec: str) -> tuple[str, str]:
                 f"realistic (qwen2, {layers} layers, hidden 896, Qwen2.5-0.5B's shape, "
                 "random weights)")
     try:                                 # another branch adds GGUF files and named models
-        from shmcache.model_source import resolve_model  # type: ignore
+        from shmcache.models.model_source import resolve_model  # type: ignore
     except ImportError:
         resolve_model = None
     if resolve_model is not None:

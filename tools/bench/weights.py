@@ -1,5 +1,5 @@
 """Memory of N processes holding one model: private copies (mlx_lm.load) against
-one shared mapping (shmcache.weights.load_model_shared), and decode speed of each.
+one shared mapping (shmcache.models.weights.load_model_shared), and decode speed of each.
 
     python -m tools.bench.weights [--model DIR] [--layers 24] [--n 1,2,4] [--rounds 2]
 
@@ -30,7 +30,7 @@ def child(mode: str, model_dir: str, decode_tokens: int) -> None:
     import shmcache  # noqa: F401  (binds the fast BLAS before mlx loads)
     import mlx.core as mx
     if mode == "shared":
-        from shmcache.weights import load_model_shared
+        from shmcache.models.weights import load_model_shared
         model, tok = load_model_shared(model_dir)
     else:
         from mlx_lm import load
@@ -68,7 +68,7 @@ def main(argv=None) -> None:
 
     model_dir = args.model
     if model_dir is None:
-        from shmcache.demo_model import build_model_dir
+        from shmcache.models.demo_model import build_model_dir
         d = Path(args.workdir) / f"qwen05-shape-{args.layers}L"
         if not (d / "model.safetensors").exists():
             build_model_dir(d, "qwen2", num_hidden_layers=args.layers, **QWEN05)

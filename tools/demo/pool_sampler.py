@@ -10,7 +10,7 @@ class PoolSampler:
     no lock): peak blocks in use and peak blocks listed by live tables."""
 
     def __init__(self, pool: str) -> None:
-        from shmcache.inspect_pool import PoolView
+        from shmcache.pool.inspect_pool import PoolView
         self.view = PoolView(pool)
         lay = self.view.layout
         self.max_blocks = lay.max_blocks
@@ -20,7 +20,7 @@ class PoolSampler:
 
     def in_use(self) -> tuple:
         """(blocks referenced, besides the null block; blocks listed by live tables)."""
-        from shmcache import recovery
+        from shmcache.pool import recovery
         s = recovery.scan_stats(self.view)
         t = self.view.tables
         return s["allocated_blocks"] - 1, int(t["length"][t["state"] == 1].sum())

@@ -47,9 +47,9 @@ class Run:
         return 1 + sum(workload.blocks_needed(r, self.a.block_size) for r in self.reqs)
 
     def _load_tokenizer(self):
-        import shmcache  # noqa: F401  (before MLX, or shmcache.blas warns it came too late)
+        import shmcache  # noqa: F401  (before MLX, or shmcache.system.blas warns it came too late)
         from mlx_lm.utils import load_tokenizer
-        from shmcache.model_source import resolve_model
+        from shmcache.models.model_source import resolve_model
         # the server's default (SmolLM2, else the demo model), converted or built here once;
         # the server is then given that directory
         path = resolve_model(self.a.model, log=lambda s: print(s, file=sys.stderr, flush=True))

@@ -192,7 +192,7 @@ class Server:
             self.redis.stop()
         pool = self.pool or (self.proc and f"serve-{self.proc.pid}")
         if pool:
-            from shmcache import segment
+            from shmcache.shm import segment
             if os.path.exists(segment.path_for(pool)):
                 left["pool_left"] = True
                 segment.unlink(pool)    # ours: the server's own pool, named after its pid

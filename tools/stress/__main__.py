@@ -88,8 +88,8 @@ def totals(children) -> dict:
 
 def parent_main(args) -> int:
     import shmcache
-    from shmcache import layout as L
-    from shmcache import segment
+    from shmcache.shm import layout as L
+    from shmcache.shm import segment
     # Ctrl-C stops the run even when started with SIGINT ignored (a background job)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     if args.seed is None:
@@ -227,7 +227,7 @@ def stop_children(children) -> list:
 
 
 def final_report(args, m, L, children, elapsed, kills, demand, errors) -> dict:
-    from shmcache import recovery
+    from shmcache.pool import recovery
     reclaimed = m.reclaim_dead()
     problems = m.check()
     stats = m.get_stats()

@@ -19,7 +19,7 @@ def lock_waiters(path: str, pids=None) -> set:
     the segment's inode; a thread waits on the lock when its current system
     call is futex() on that address. ``pids`` limits the scan (default: all).
     """
-    from shmcache import layout as L
+    from shmcache.shm import layout as L
     ino = str(os.stat(path).st_ino)
     nr = str(_FUTEX_NR[platform.machine()])
     out = set()

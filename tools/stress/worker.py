@@ -106,7 +106,7 @@ class Worker(Workload):
 def worker_main(args) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # the parent handles Ctrl-C
     import logging   # allocation failures are expected here, and counted
-    logging.getLogger("shmcache.paged_cache").addFilter(
+    logging.getLogger("shmcache.manager.paged_cache").addFilter(
         lambda rec: "Out of cache blocks" not in rec.getMessage())
     w = None
     try:

@@ -84,9 +84,9 @@ def reclaim_dead_pools(pattern: str = POOL_PREFIX + "*") -> list:
     The owner is the pid *and* start time the pool records, so a pool left by
     a dead server whose pid we now have (pid 1 in a container) is dead too.
     A pool of another user is never touched (it cannot be opened)."""
-    from shmcache import segment
+    from shmcache.shm import segment
     from shmcache.errors import ShmCacheError
-    from shmcache.inspect_pool import PoolView, cleanup
+    from shmcache.pool.inspect_pool import PoolView, cleanup
     out = []
     for name in segment.list_names():
         if not fnmatch.fnmatchcase(name, pattern):
@@ -269,9 +269,9 @@ class WorkerLifecycle:
         import mlx.core as mx  # noqa: F401  (after shmcache: the fast BLAS)
         from mlx_lm.utils import load_model
 
-        from shmcache import layout as L
-        from shmcache import segment
-        from shmcache.mlx_lm import pool_layout
+        from shmcache.shm import layout as L
+        from shmcache.shm import segment
+        from shmcache.models.mlx_lm import pool_layout
         model, config = load_model(self.path, lazy=True)
         lay = pool_layout(model)
         del model

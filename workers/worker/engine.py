@@ -10,7 +10,7 @@ prefill:
 * acquire the longest published prefix of ``prompt[:-1]`` (one atomic
   lookup-and-reference, as late as possible, so that it sees what every
   other worker published until then) and read it from the pool, once, into
-  the request's working buffers (:func:`shmcache.mlx_lm.load_prefix`);
+  the request's working buffers (:func:`shmcache.models.mlx_lm.load_prefix`);
 * compute the rest of ``prompt[:-1]`` in chunks of up to ``prefill_step``
   tokens (a multiple of the block size: every chunk after the cache-hit
   boundary ends on a block boundary or at ``prompt[:-1]``'s end), evaluating
@@ -81,8 +81,8 @@ from typing import Callable, Optional
 import mlx.core as mx
 
 from shmcache.errors import OutOfBlocksError
-from shmcache.layout import ITEMSIZE
-from shmcache.mlx_lm import (PendingSequence, PoolBatchKVCache, PoolKVCache, PoolSequence,
+from shmcache.shm.layout import ITEMSIZE
+from shmcache.models.mlx_lm import (PendingSequence, PoolBatchKVCache, PoolKVCache, PoolSequence,
                              load_prefix, make_pool_cache)
 from .sampling import RowSampler
 from ..wire import Gen

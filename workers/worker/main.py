@@ -24,7 +24,7 @@ import threading
 import time
 
 import shmcache  # first: binds the fast BLAS before mlx loads
-import shmcache.blas
+import shmcache.system.blas
 
 from .. import wire
 from ..wire import L2_SECRET_ENV
@@ -75,8 +75,8 @@ def main(argv=None) -> int:
     os.dup2(2, 1)                   # anything printed goes to stderr
     writer = wire.Writer(out)
 
-    from shmcache.mlx_lm import check_pool_matches, pool_layout
-    from shmcache.weights import load_model_shared
+    from shmcache.models.mlx_lm import check_pool_matches, pool_layout
+    from shmcache.models.weights import load_model_shared
     from .engine import Engine
 
     model, tokenizer = load_model_shared(args.model)   # one copy of the weights for all workers
@@ -134,7 +134,7 @@ def main(argv=None) -> int:
                 elif isinstance(msg, wire.Cancel):
                     engine.cancel(msg.id)
                 elif isinstance(msg, wire.Threads):
-                    shmcache.blas.use_fast_blas(threads=msg.n)   # from this step on
+                    shmcache.system.blas.use_fast_blas(threads=msg.n)   # from this step on
                 try:
                     msg = q.get_nowait()
                 except queue.Empty:
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
                 beat[0] = wire.Load(args.id, len(engine.rows), len(engine.waiting),
                                     engine.preemptions, engine.working_bytes(),
                                     mgr.l2.stats() if mgr.l2 is not None else {},
-                                    shmcache.blas.threads() or 0)
+                                    shmcache.system.blas.threads() or 0)
                 writer.send(beat[0])
                 beat[1] = now
     except BrokenPipeError:

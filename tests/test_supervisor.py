@@ -172,9 +172,10 @@ def test_with_l2_the_report_has_the_pools_l2_counters(baseline, tmp_path):
 
 @pytest.mark.timeout(120)
 def test_ctrl_c_stops_the_server_and_leaves_nothing():
-    # Its own process group, as a terminal's foreground job.
+    # Its own process group, as a terminal's foreground job. Far more requests
+    # than it can serve in the few seconds before the SIGINT (400 finished in time).
     proc = subprocess.Popen([sys.executable, "-m", "tools.demo", *SMALL,
-                             "--requests", "400"], cwd=ROOT, stdout=subprocess.PIPE,
+                             "--requests", "5000"], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     seen, pool = {}, None
     try:

@@ -316,14 +316,14 @@ def _run(args, sock) -> int:
                                     l2_ttl=getattr(args, "l2_ttl", None),
                                     pool_name=getattr(args, "pool_name", None),
                                     prefill_step=getattr(args, "prefill_step", 512),
-                                    lend_cores=getattr(args, "lend_cores", False))
+                                    lend_cores=getattr(args, "lend_cores", False),
+                                    stall_s=getattr(args, "worker_timeout", 10.0),
+                                    max_working_bytes=getattr(args, "max_working_bytes", None),
+                                    max_reruns=max(0, getattr(args, "max_reruns", 2)))
             if template is not None:
                 # the HF tokenizer's template, used by apply_chat_template
                 backend.tokenizer._tokenizer.chat_template = template
                 backend.tokenizer._chat_template = None
-            backend.stall_s = getattr(args, "worker_timeout", 10.0)
-            backend.max_working_bytes = getattr(args, "max_working_bytes", None)
-            backend.max_reruns = max(0, getattr(args, "max_reruns", 2))
             for name, why in reclaim_dead_pools():
                 log.info("removed the dead pool %s (%s)", name, why)
             if hasattr(backend, "prepare"):
@@ -426,8 +426,6 @@ def _run(args, sock) -> int:
         log.info("shmcache serve: stopped")
         return 0
     finally:
-        mgr = getattr(backend, "mgr", None)
-        if mgr is not None and not getattr(backend, "_started", True):
+        if backend is not None and hasattr(backend, "remove_unserved_pool"):
             # prepared (the pool exists) but never served: remove it
-            mgr.destroy()
-            backend.mgr = None  # type: ignore[union-attr]  # (it has one here)
+            backend.remove_unserved_pool()

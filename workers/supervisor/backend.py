@@ -28,9 +28,10 @@ counters from the pool (every worker adds to them, a dead one's stay) and
 ``l2_up`` from the workers' reports.
 
 Creating the pool and starting, restarting and stopping the worker
-processes is :class:`~workers.supervisor.worker_procs.WorkerLifecycle`'s, a
-mixin of :class:`WorkerBackend`; this module routes the requests and turns
-the workers' messages into each request's events.
+processes is :class:`~workers.supervisor.worker_procs.WorkerProcesses`'s,
+which :class:`WorkerBackend` holds (``procs``) and gives its two callbacks:
+this module routes the requests and turns the workers' messages into each
+request's events.
 
 NOTE: everything here runs on the server's event loop; the only blocking
 calls are the pool's (microseconds) and the workers' pipe writes.
@@ -43,29 +44,15 @@ import itertools
 import os
 import random
 from pathlib import Path
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Callable, Optional
 
 from .. import wire
 from ..protocol import Error, SampleDone, SamplingParams, Started, Tokens
-from .worker_procs import (WorkerLifecycle, WorkerProc, blas_threads_per_worker, core_shares,
-                           cpus_available)
+from .worker_procs import (DEFAULT_MAX_RERUNS, DEFAULT_STALL_S, Flight, WorkerProc,
+                           WorkerProcesses, blas_threads_per_worker, core_shares, cpus_available)
 
 
-class _Flight:
-    """One request in flight: where it runs, what was delivered."""
-
-    def __init__(self, rid: int, prompt: list, params: SamplingParams, seed: int) -> None:
-        self.gen = wire.Gen(rid, prompt, params, seed)
-        self.q: asyncio.Queue = asyncio.Queue()
-        self.worker: Optional[WorkerProc] = None
-        self.started = False
-        self.delivered = [0] * params.n        # tokens delivered per sample
-        self.seen = [0] * params.n             # tokens seen in the current run
-        self.progress = 0                      # prompt tokens in the pool (this run's prefill)
-        self.done = [False] * params.n
-
-
-class WorkerBackend(WorkerLifecycle):
+class WorkerBackend:
     """Worker processes over one shared pool (see the module docstring).
 
     Args:
@@ -81,6 +68,14 @@ class WorkerBackend(WorkerLifecycle):
         l2_timeout, l2_retry, l2_ttl: seconds: each L2 socket operation of
             a lookup, between attempts during an outage, a value's life
             (None: until Redis evicts it).
+        stall_s: a worker silent this long leaves the routing; twice, it is
+            killed (``--worker-timeout``).
+        max_reruns: re-runs of one request after worker deaths.
+        max_working_bytes: each worker's working K/V bytes (None: half the
+            memory shared among the workers).
+
+    ``startup_cancelled`` (a callable, set after construction) is polled
+    while the workers load the model: True stops ``start``.
     """
 
     def __init__(self, model, workers: int = 2, max_blocks: Optional[int] = None,
@@ -88,7 +83,9 @@ class WorkerBackend(WorkerLifecycle):
                  max_batch: int = 32, l2: Optional[str] = None,
                  cluster_secret: Optional[str] = None, l2_timeout: Optional[float] = None,
                  l2_retry: Optional[float] = None, l2_ttl: Optional[int] = None,
-                 prefill_step: int = 512, lend_cores: bool = False) -> None:
+                 prefill_step: int = 512, lend_cores: bool = False,
+                 stall_s: float = DEFAULT_STALL_S, max_reruns: int = DEFAULT_MAX_RERUNS,
+                 max_working_bytes: Optional[int] = None) -> None:
         from mlx_lm.utils import load_tokenizer
         self.path = Path(model)
         if not (self.path / "config.json").is_file():
@@ -98,8 +95,6 @@ class WorkerBackend(WorkerLifecycle):
         self.n_workers = workers
         self.max_n = max_n
         self.block_size = block_size
-        self.max_blocks = max_blocks
-        self.max_batch = max_batch
         self.prefill_step = max(block_size, prefill_step // block_size * block_size)
         # lend idle workers' cores to busy ones (asked for, and the operator
         # did not choose the threads)
@@ -107,25 +102,50 @@ class WorkerBackend(WorkerLifecycle):
         self.cpus = cpus_available()
         self._changed = asyncio.Event()    # set (and replaced) when a flight moves on
         self.pool_name = pool_name or f"serve-{os.getpid()}"
-        self.mgr = None
-        self.workers: list = []
-        self.restarts = 0
         self._ids = itertools.count(1)
-        self._closing = False
-        self._started = False           # every worker was ready once: restart the dead ones
         self.l2_url = l2
-        self.l2_timeout, self.l2_retry, self.l2_ttl = l2_timeout, l2_retry, l2_ttl
-        self._l2_secret = cluster_secret.encode() if cluster_secret else None
-        self.l2_shared = bool(cluster_secret)
-        self.l2_model_id: Optional[str] = None
+        self.startup_cancelled: Callable[[], bool] = lambda: False
         if l2:
             from shmcache.l2 import check_url
             check_url(l2)
+        self.procs = WorkerProcesses(
+            self.path, workers, block_size=block_size, max_blocks=max_blocks,
+            max_batch=max_batch, prefill_step=self.prefill_step, pool_name=self.pool_name,
+            on_message=self._on, redispatch=self._dispatch,
+            startup_cancelled=lambda: self.startup_cancelled(),
+            l2_url=l2, cluster_secret=cluster_secret.encode() if cluster_secret else None,
+            l2_timeout=l2_timeout, l2_retry=l2_retry, l2_ttl=l2_ttl, stall_s=stall_s,
+            max_reruns=max_reruns, max_working_bytes=max_working_bytes)
+
+    # -------------------------------------------------------------- the processes'
+    @property
+    def context_length(self) -> Optional[int]:
+        """The model's context length, from its config (None: unknown, or before ``prepare``)."""
+        return self.procs.context_length
+
+    def prepare(self) -> None:
+        """Reads the model's layout and creates the pool (see
+        :meth:`WorkerProcesses.prepare`: call it before serving to fail early)."""
+        self.procs.prepare()
+
+    async def start(self) -> None:
+        await self.procs.start()
+
+    async def close(self) -> None:
+        await self.procs.close()
+
+    def fail_in_flight(self, message: str = "the server is shutting down",
+                       status: int = 503) -> int:
+        """Ends every request in flight with an error; returns how many. New
+        requests are refused from now on."""
+        return self.procs.fail_in_flight(message, status)
+
+    def remove_unserved_pool(self) -> None:
+        """Removes the pool if it was created but never served (``shmcache
+        serve`` on its way out after a failed or stopped startup)."""
+        self.procs.remove_unserved_pool()
 
     # -------------------------------------------------------------- routing
-    def _live(self) -> list:
-        return [w for w in self.workers if w.ready.is_set() and w.proc.returncode is None]
-
     def _load(self, w: WorkerProc) -> float:
         """Samples ``w`` runs or will run, plus its prefill still to do (in steps)."""
         load = 0.0
@@ -136,18 +156,18 @@ class WorkerBackend(WorkerLifecycle):
         return load
 
     def _pick(self) -> Optional[WorkerProc]:
-        live = self._live()
+        live = self.procs.live()
         if not live:
             return None
         return min(live, key=lambda w: (self._load(w), w.idx))
 
-    def _shared_blocks_pending(self, f: _Flight) -> bool:
+    def _shared_blocks_pending(self, f: Flight) -> bool:
         """Whether a request being prefilled on a live worker will publish
         blocks of ``f``'s prompt that are not published yet (same salt,
         same tokens from position 0, whole blocks of ``prompt[:-1]``)."""
         bs = self.block_size
         mine = f.gen.prompt
-        for w in self._live():
+        for w in self.procs.live():
             # a worker prefills its requests one at a time, in the order
             # they came: only its first one not started is computing (or
             # about to); one queued behind it computes nothing yet, and
@@ -178,7 +198,7 @@ class WorkerBackend(WorkerLifecycle):
         threads ($SHMCACHE_BLAS_THREADS)."""
         if not self.lend_cores:
             return
-        live = self._live()
+        live = self.procs.live()
         busy = [w for w in live if w.flights]
         n = core_shares(len(busy), self.cpus, blas_threads_per_worker(self.n_workers))
         for w in busy:
@@ -189,9 +209,9 @@ class WorkerBackend(WorkerLifecycle):
                     continue
                 w.blas_threads = n
 
-    async def _dispatch(self, f: _Flight) -> None:
+    async def _dispatch(self, f: Flight) -> None:
         while True:
-            if self._closing:
+            if self.procs.closing:
                 f.q.put_nowait(Error("the server is shutting down", 503))
                 return
             w = None if self._shared_blocks_pending(f) else self._pick()
@@ -212,7 +232,7 @@ class WorkerBackend(WorkerLifecycle):
     # ---------------------------------------------------------- interface
     def admission_error(self, prompt_tokens: int, max_tokens: int, n: int) -> Optional[str]:
         bs = self.block_size
-        total = (self.max_blocks or 0) - 1
+        total = (self.procs.max_blocks or 0) - 1
         need = -(-(prompt_tokens + max_tokens) // bs) * n
         if need > total:
             return (f"the prompt ({prompt_tokens} tokens) with max_tokens={max_tokens} and n={n} "
@@ -221,7 +241,7 @@ class WorkerBackend(WorkerLifecycle):
 
     async def generate(self, prompt: list, params: SamplingParams) -> AsyncIterator:
         seed = params.seed if params.seed is not None else random.randrange(2**31)
-        f = _Flight(next(self._ids), list(prompt), params, seed)
+        f = Flight(next(self._ids), list(prompt), params, seed)
         await self._dispatch(f)
         finished = 0
         try:
@@ -241,7 +261,8 @@ class WorkerBackend(WorkerLifecycle):
                     pass
 
     def stats(self) -> dict:
-        m = self.mgr
+        procs = self.procs
+        m = procs.mgr
         if m is None:
             return {}
         # Block 0 (the null block) is always referenced and never cached:
@@ -261,14 +282,13 @@ class WorkerBackend(WorkerLifecycle):
                    pool_kv_bytes=held * per_block, lock_holds=g["ops"],
                    pool_prefix_hit_rate=g["prefix_hit_rate"],
                    lock_wait_max=g["lock_wait_max_s"], lock_queue=g["lock_queue"],
-                   preemptions=sum(w.preemptions for w in self.workers),
-                   worker_restarts=self.restarts,
-                   workers_alive=sum(1 for w in self.workers if w.ready.is_set()
-                                     and w.proc.returncode is None),
-                   working_bytes=sum(w.working_bytes for w in self.workers),
+                   preemptions=sum(w.preemptions for w in procs.workers),
+                   worker_restarts=procs.restarts,
+                   workers_alive=len(procs.live()),
+                   working_bytes=sum(w.working_bytes for w in procs.workers),
                    worker_running={w.idx: sum(f.gen.params.n for f in w.flights.values()
-                                              if f.started) for w in self.workers},
-                   worker_blas_threads={w.idx: w.blas_threads_running for w in self.workers
+                                              if f.started) for w in procs.workers},
+                   worker_blas_threads={w.idx: w.blas_threads_running for w in procs.workers
                                         if w.blas_threads_running})
         if self.l2_url:
             out.update(self.l2_stats())
@@ -281,16 +301,18 @@ class WorkerBackend(WorkerLifecycle):
         # NOTE: read without the pool lock, as the gauges above: each worker
         # adds its deltas under the lock every 0.5 s; a scrape may be a
         # moment behind, never torn (one aligned int64 each).
-        out = {f"l2_{k}": v for k, v in self.mgr.l2_counters().items()}
+        m = self.procs.mgr
+        out = {f"l2_{k}": v for k, v in (m.l2_counters() if m is not None else {}).items()}
         up = 1
-        for w in self.workers:
-            if w.l2 and w.proc is not None and w.proc.returncode is None:
+        for w in self.procs.workers:
+            if w.l2 and w.running():
                 up = min(up, w.l2.get("up", 1))
         out["l2_up"] = up
         return out
 
     # ---------------------------------------------------------- a worker's events
     def _on(self, w: WorkerProc, msg) -> None:
+        """One message from worker ``w`` (``WorkerProcesses`` calls it)."""
         if isinstance(msg, wire.Step):
             for rid, sample, tok, reason, lp in msg.items:
                 f = w.flights.get(rid)

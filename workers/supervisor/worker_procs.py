@@ -1,16 +1,18 @@
 """The supervisor's worker processes: the pool they share, their lives.
 
 :class:`WorkerProc` is one worker process as the supervisor sees it (its
-pipes, its requests in flight, what it last reported). :class:`WorkerLifecycle`
-is the part of :class:`~workers.supervisor.backend.WorkerBackend` that creates
-the pool (its layout and dtype read from the model), starts the workers
-(``python -m workers.worker.main``, attached to the pool by name, with
-the L2 flags when there is an L2 tier), reads what they send, restarts one
-that dies (after the pool released what it held) and stops them all.
+pipes, its requests in flight, what it last reported); :class:`Flight` is one
+request in flight. :class:`WorkerProcesses` owns the workers' lives: it
+creates the pool (its layout and dtype read from the model), starts the
+workers (``python -m workers.worker.main``, attached to the pool by name,
+with the L2 flags when there is an L2 tier), reads what they send, restarts
+one that dies (after the pool released what it held) and stops them all.
 
 Which worker a request goes to, and what a worker's messages mean for the
-requests, is the routing's, in ``backend.py``: this mixin calls its
-``_on`` (one message) and ``_dispatch`` (send a request to a worker).
+requests, is the routing's (``backend.py``'s ``WorkerBackend``, which holds
+a ``WorkerProcesses``): it passes in, at construction, the callbacks for one
+message from a worker (``on_message``) and for a request to send again
+(``redispatch``).
 
 Liveness beyond the exit code (a heartbeat): a worker reports its load every
 0.5 s from a thread of its own, even during a long prefill. A worker that
@@ -38,14 +40,17 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
 
 import msgspec
 
 import shmcache
 
 from .. import wire
-from ..protocol import Error
+from ..protocol import Error, SamplingParams
+
+if TYPE_CHECKING:
+    from shmcache.manager.paged_cache import PagedCacheManager
 
 log = logging.getLogger("shmcache.server")
 
@@ -173,6 +178,27 @@ def default_working_bytes(workers: int) -> int:
     return max(MIN_WORKING_BYTES, psutil.virtual_memory().total // 2 // max(1, workers))
 
 
+class Flight:
+    """One request in flight: where it runs, what was delivered.
+
+    The routing (``backend.py``) creates it, sends it to a worker and turns
+    that worker's messages into its events (``q``); :class:`WorkerProcesses`
+    ends it with an error, or hands it back to be re-run, when its worker dies
+    or the server stops."""
+
+    def __init__(self, rid: int, prompt: list, params: SamplingParams, seed: int) -> None:
+        self.gen = wire.Gen(rid, prompt, params, seed)
+        self.q: asyncio.Queue = asyncio.Queue()
+        self.worker: Optional[WorkerProc] = None
+        self.started = False
+        self.delivered = [0] * params.n        # tokens delivered per sample
+        self.seen = [0] * params.n             # tokens seen in the current run
+        self.progress = 0                      # prompt tokens in the pool (this run's prefill)
+        self.done = [False] * params.n
+        self.reruns = 0                        # times re-run after its worker died
+        self.logged_at: Optional[int] = None   # seconds waited at its last "long prefill" line
+
+
 class WorkerProc:
     """One worker process: its pipes, its requests in flight, its reports."""
 
@@ -180,7 +206,7 @@ class WorkerProc:
         self.idx = idx
         self.proc: Optional[asyncio.subprocess.Process] = None
         self.ready = asyncio.Event()
-        self.flights: dict = {}
+        self.flights: dict[int, Flight] = {}
         self.load = 0
         self.preemptions = 0
         self.working_bytes = 0
@@ -194,40 +220,92 @@ class WorkerProc:
 
     def send(self, msg) -> None:
         body = self.enc.encode(msg)
-        self.proc.stdin.write(len(body).to_bytes(4, "little") + body)
+        self.proc.stdin.write(len(body).to_bytes(4, "little") + body)  # type: ignore[union-attr]
+
+    def running(self) -> bool:
+        """Started, and not exited (it may still be loading the model)."""
+        return self.proc is not None and self.proc.returncode is None
+
+    def pid(self) -> int:
+        return self.proc.pid if self.proc is not None else -1
 
 
-class WorkerLifecycle:
-    """Starting, watching, restarting and stopping the worker processes
-    (a mixin of ``WorkerBackend``, which sets the attributes used here)."""
+class WorkerProcesses:
+    """The worker processes' lives over one pool: creating the pool (its
+    layout and dtype read from the model), starting the workers, reading what
+    they send, watching their heartbeat, restarting one that dies (after the
+    pool released what it held) and re-running its requests, stopping them all.
 
-    # settings main.py may change after construction (see the module docstring)
-    stall_s: float = DEFAULT_STALL_S
-    max_reruns: int = DEFAULT_MAX_RERUNS
-    startup_cancelled: Callable[[], bool] = staticmethod(lambda: False)
-    context_length: Optional[int] = None      # the model's, from its config (None: unknown)
-    max_working_bytes: Optional[int] = None   # per worker (None: default_working_bytes)
+    Which worker a request goes to, and what a message means for a request,
+    is its owner's: each message goes to ``on_message(worker, message)``
+    (after the heartbeat saw it), and a dead worker's request to
+    ``redispatch(flight)`` (awaited), unless it was re-run ``max_reruns``
+    times already.
 
-    # set by WorkerBackend.__init__ (backend.py), which also has _on and _dispatch
-    path: Path
-    n_workers: int
-    block_size: int
-    max_batch: int
-    prefill_step: int
-    pool_name: str
-    restarts: int
-    l2_url: Optional[str]
-    l2_timeout: Optional[float]
-    l2_retry: Optional[float]
-    l2_ttl: Optional[int]
-    l2_shared: bool
-    _l2_secret: Optional[bytes]
-    _on: Callable[..., None]
-    _dispatch: Callable[..., Any]
+    Args:
+        path: the mlx-lm model directory.
+        n_workers: worker processes.
+        block_size: tokens per block.
+        max_blocks: pool blocks (None: :func:`choose_pool_blocks` at ``prepare``).
+        max_batch, prefill_step: each worker's (``--max-batch``, ``--prefill-step``).
+        pool_name: the pool's name.
+        on_message: called with each message a worker sends.
+        redispatch: awaited with each request of a dead worker to run again.
+        startup_cancelled: polled while the workers load the model; True
+            stops ``start`` (:class:`StartupCancelled`).
+        l2_url: a Redis URL: the L2 tier (None: L1 only).
+        cluster_secret: the secret of the pools that share L2 entries (None:
+            each worker uses the pool's own).
+        l2_timeout, l2_retry, l2_ttl: the workers' L2 flags (None: theirs).
+        stall_s: a worker silent this long leaves the routing; twice, it is killed.
+        max_reruns: re-runs of one request after worker deaths.
+        max_working_bytes: each worker's working K/V bytes (None:
+            :func:`default_working_bytes`).
+    """
+
+    def __init__(self, path: Path, n_workers: int, *, block_size: int,
+                 max_blocks: Optional[int], max_batch: int, prefill_step: int, pool_name: str,
+                 on_message: Callable[[WorkerProc, Any], None],
+                 redispatch: Callable[[Flight], Awaitable[None]],
+                 startup_cancelled: Callable[[], bool] = lambda: False,
+                 l2_url: Optional[str] = None, cluster_secret: Optional[bytes] = None,
+                 l2_timeout: Optional[float] = None, l2_retry: Optional[float] = None,
+                 l2_ttl: Optional[int] = None, stall_s: float = DEFAULT_STALL_S,
+                 max_reruns: int = DEFAULT_MAX_RERUNS,
+                 max_working_bytes: Optional[int] = None) -> None:
+        self.path = path
+        self.n_workers = n_workers
+        self.block_size = block_size
+        self.max_blocks = max_blocks
+        self.max_batch = max_batch
+        self.prefill_step = prefill_step
+        self.pool_name = pool_name
+        self.on_message = on_message
+        self.redispatch = redispatch
+        self.startup_cancelled = startup_cancelled
+        self.l2_url = l2_url
+        self.l2_timeout, self.l2_retry, self.l2_ttl = l2_timeout, l2_retry, l2_ttl
+        self.l2_secret = cluster_secret
+        self.stall_s = stall_s
+        self.max_reruns = max_reruns
+        self.max_working_bytes = max_working_bytes
+        self.mgr: Optional[PagedCacheManager] = None   # the pool, from prepare() to close()
+        self.layout: Optional[dict] = None             # its layout, as pool_layout read it
+        self.context_length: Optional[int] = None      # the model's, from its config (None: unknown)
+        self.l2_model_id: Optional[str] = None
+        self.workers: list[WorkerProc] = []
+        self.restarts = 0
+        self.closing = False            # stopping: no request is routed, no worker restarted
+        self.started = False            # every worker was ready once: restart the dead ones
+        self._watchdog: Optional[asyncio.Task] = None
 
     def working_bytes_limit(self) -> int:
         """Each worker's limit on working K/V buffer bytes (``--max-working-bytes``)."""
         return self.max_working_bytes or default_working_bytes(self.n_workers)
+
+    def live(self) -> list[WorkerProc]:
+        """The workers that are ready (not stalled) and running: the ones to route to."""
+        return [w for w in self.workers if w.ready.is_set() and w.running()]
 
     # ------------------------------------------------------------ lifecycle
     def prepare(self) -> None:
@@ -256,14 +334,15 @@ class WorkerLifecycle:
             await asyncio.sleep(0.05)
             if self.startup_cancelled():
                 raise StartupCancelled("stopped while the workers were loading the model")
-            dead = [w for w in self.workers if w.proc.returncode is not None]
+            dead = [w for w in self.workers if not w.running()]
             if dead:
-                raise RuntimeError(f"worker {dead[0].idx} exited with {dead[0].proc.returncode} "
+                rc = dead[0].proc.returncode if dead[0].proc is not None else None
+                raise RuntimeError(f"worker {dead[0].idx} exited with {rc} "
                                    f"while loading the model (its error is above)")
-        self._started = True
+        self.started = True
         self._watchdog = asyncio.create_task(self._watch())
         log.info("all %d workers ready (pool %s: %d blocks of %d tokens)", self.n_workers,
-                 self.pool_name, self.mgr.max_blocks, self.block_size)
+                 self.pool_name, self.max_blocks, self.block_size)
 
     def _create_pool(self) -> None:
         import mlx.core as mx  # noqa: F401  (after shmcache: the fast BLAS)
@@ -297,21 +376,21 @@ class WorkerLifecycle:
             max_slots=max_slots, max_refs=16 * self.max_blocks, max_tables=max_tables, **lay)
         self.layout = lay
         if self.l2_url:
-            self._start_l2()
+            self._start_l2(self.l2_url)
 
-    def _start_l2(self) -> None:
+    def _start_l2(self, url: str) -> None:
         from shmcache import l2
         self.l2_model_id = l2.model_identity(self.path)
-        client = l2.connect(self.l2_url, 1.0)       # (raises without redis-py)
+        client = l2.connect(url, 1.0)               # (raises without redis-py)
         try:
             ok = bool(client.ping())
         except Exception as e:
             ok, why = False, f"{type(e).__name__}: {e}"
         finally:
             client.close()
-        log.info("L2: %s (%s), %s secret, model %s", l2.redact(self.l2_url),
+        log.info("L2: %s (%s), %s secret, model %s", l2.redact(url),
                  "reachable" if ok else f"not reachable now ({why}); the workers retry",
-                 "the cluster" if self.l2_shared else "this pool's own",
+                 "the cluster" if self.l2_secret is not None else "this pool's own",
                  self.l2_model_id)
 
     async def _spawn(self, w: WorkerProc) -> None:
@@ -321,11 +400,11 @@ class WorkerLifecycle:
         # share as threads (at least 1), unless the operator chose
         env.setdefault("SHMCACHE_BLAS_THREADS", str(blas_threads_per_worker(self.n_workers)))
         w.blas_threads = int(env["SHMCACHE_BLAS_THREADS"])
-        extra = []
+        extra: list[str] = []
         if self.l2_url:
-            if self._l2_secret is not None:
-                env[wire.L2_SECRET_ENV] = self._l2_secret.hex()
-            extra = ["--l2", self.l2_url, "--l2-model-id", self.l2_model_id]
+            if self.l2_secret is not None:
+                env[wire.L2_SECRET_ENV] = self.l2_secret.hex()
+            extra = ["--l2", self.l2_url, "--l2-model-id", str(self.l2_model_id)]
             for flag, v in (("--l2-timeout", self.l2_timeout), ("--l2-retry", self.l2_retry),
                             ("--l2-ttl", self.l2_ttl)):
                 if v is not None:
@@ -344,7 +423,7 @@ class WorkerLifecycle:
         """Ends every request in flight with an error (before the HTTP server
         cancels them at shutdown, so that each client is told why); returns
         how many. New requests are refused from now on."""
-        self._closing = True
+        self.closing = True
         n = 0
         for w in self.workers:
             for f in list(w.flights.values()):
@@ -353,18 +432,17 @@ class WorkerLifecycle:
         return n
 
     async def close(self) -> None:
-        self._closing = True
-        watchdog = getattr(self, "_watchdog", None)
-        if watchdog is not None:
-            watchdog.cancel()
+        self.closing = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         for w in self.workers:
             if w.proc and w.proc.returncode is None and not w.ready.is_set() \
-                    and not self._started:
+                    and not self.started:
                 w.proc.terminate()            # still loading the model: stop it now
             if w.proc and w.proc.returncode is None:
                 try:
                     w.send(wire.Stop())
-                    w.proc.stdin.close()
+                    w.proc.stdin.close()      # type: ignore[union-attr]  # (a pipe)
                 except (BrokenPipeError, ConnectionResetError, RuntimeError):
                     pass
         for w in self.workers:
@@ -381,21 +459,30 @@ class WorkerLifecycle:
             self.mgr.destroy()
             self.mgr = None
 
+    def remove_unserved_pool(self) -> None:
+        """Removes the pool if ``prepare`` created it but the workers never
+        all started (serving failed or was stopped before it began)."""
+        if self.mgr is not None and not self.started:
+            self.mgr.destroy()
+            self.mgr = None
+
     # ---------------------------------------------------------- a worker's pipe
-    async def _read(self, w: WorkerProc, proc) -> None:
+    async def _read(self, w: WorkerProc, proc: asyncio.subprocess.Process) -> None:
         dec = wire.from_worker
+        out = proc.stdout
+        assert out is not None                # (spawned with stdout=PIPE)
         try:
             while True:
-                head = await proc.stdout.readexactly(4)
-                body = await proc.stdout.readexactly(int.from_bytes(head, "little"))
+                head = await out.readexactly(4)
+                body = await out.readexactly(int.from_bytes(head, "little"))
                 msg = dec.decode(body)
                 if w.proc is proc:
                     self._heard(w, isinstance(msg, wire.Ready))
-                self._on(w, msg)
+                self.on_message(w, msg)
         except (asyncio.IncompleteReadError, ConnectionResetError):
             pass
         await proc.wait()
-        if not self._closing and self._started:
+        if not self.closing and self.started:
             await self._died(w, proc.returncode)
 
     # ------------------------------------------------------------ heartbeat
@@ -405,7 +492,7 @@ class WorkerLifecycle:
         if w.stalled:
             w.stalled = False
             w.ready.set()
-            log.warning("worker %d (pid %d) speaks again: routed to again", w.idx, w.proc.pid)
+            log.warning("worker %d (pid %d) speaks again: routed to again", w.idx, w.pid())
 
     async def _watch(self) -> None:
         """Every ``stall_s / 4`` (at most 1 s): a worker silent for ``stall_s``
@@ -413,7 +500,7 @@ class WorkerLifecycle:
         reader then restarts it and re-runs its requests). Logs the requests
         waiting long for their first token (a long prefill)."""
         waiting_logged: dict = {}
-        while not self._closing:
+        while not self.closing:
             await asyncio.sleep(min(1.0, self.stall_s / 4))
             now = time.monotonic()
             for w in self.workers:
@@ -439,34 +526,32 @@ class WorkerLifecycle:
                         continue
                     t0 = waiting_logged.setdefault(f.gen.id, now)
                     waited = now - t0
-                    if waited >= 5 and int(waited) % 5 == 0 and int(waited) != getattr(
-                            f, "_logged_at", None):
-                        f._logged_at = int(waited)
+                    if waited >= 5 and int(waited) % 5 == 0 and int(waited) != f.logged_at:
+                        f.logged_at = int(waited)
                         # progress: the prompt tokens in the pool so far (the
                         # worker's Progress after its cache hit and each chunk)
                         log.info("request %d: prefill %d of %d prompt tokens, no first "
                                  "token after %d s on worker %d (a long prefill, or a queue)",
-                                 f.gen.id, getattr(f, "progress", 0), len(f.gen.prompt),
-                                 int(waited), w.idx)
+                                 f.gen.id, f.progress, len(f.gen.prompt), int(waited), w.idx)
             live = {f.gen.id for w in self.workers for f in w.flights.values()}
             for rid in [r for r in waiting_logged if r not in live]:
                 del waiting_logged[rid]
 
-    async def _died(self, w: WorkerProc, rc) -> None:
+    async def _died(self, w: WorkerProc, rc: Optional[int]) -> None:
         flights = list(w.flights.values())
         w.flights.clear()
         w.ready.clear()
         w.last_heard, w.stalled = None, False
         w.l2 = {}                          # (its counters are the pool's: they stay)
         log.warning("worker %d (pid %d) died (exit %s); re-running its %d requests",
-                    w.idx, w.proc.pid, rc if rc is None or rc >= 0 else signal.Signals(-rc).name,
+                    w.idx, w.pid(), rc if rc is None or rc >= 0 else signal.Signals(-rc).name,
                     len(flights))
         if self.mgr is not None:
             self.mgr.reclaim_dead()
         self.restarts += 1
         await self._spawn(w)
         for f in flights:
-            f.reruns = getattr(f, "reruns", 0) + 1
+            f.reruns += 1
             if f.reruns > self.max_reruns:
                 log.warning("request %d was on %d workers that died: not run again",
                             f.gen.id, f.reruns)
@@ -475,4 +560,4 @@ class WorkerLifecycle:
                     f"(the last exited with {rc}); it is not run again, in case it is what "
                     f"kills them", 500))
                 continue
-            await self._dispatch(f)
+            await self.redispatch(f)

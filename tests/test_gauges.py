@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from shmcache import PagedCacheManager
 from shmcache.shm import layout as L
-from shmcache.pool.pool import MappedViews
+from shmcache.pool.pool import MappedViews, Pool
 
 
 def test_gauges_follow_the_pool():
@@ -18,14 +18,14 @@ def test_gauges_follow_the_pool():
         m.create_block_table("r1")
         g = m.pool.gauges()
         assert g["blocks_used"] == 3 and g["blocks_free"] == 12
-        assert g["free_list_blocks"] == m.pool.num_free == 12
-        assert g["tables"] == m.pool.num_tables == 1
+        assert g["free_list_blocks"] == m.pool.views.num_free == 12
+        assert g["tables"] == m.pool.views.num_tables == 1
         assert g["ops"] > g0["ops"]                 # lock holds were counted
         s = m.get_stats()
         assert (g["hits"], g["misses"], g["evictions"]) == (s.cache_hits, s.cache_misses,
                                                             s.evictions)
-        assert m.pool.epoch == m.pool.c[L.C_EPOCH]
-        assert m.pool.dirty is False
+        assert m.pool.views.epoch == m.pool.c[L.C_EPOCH]
+        assert m.pool.views.dirty is False
         m.free_block_batch(blocks)
         assert m.pool.gauges()["blocks_used"] == 0
     finally:
@@ -37,13 +37,23 @@ def test_a_snapshot_maps_the_same_views():
     try:
         m.get_new_blocks(2)
         p = m.pool
-        snap = MappedViews()
-        snap.name, snap.layout = p.name, p.layout
-        snap.mm = bytearray(p.mm[:p.layout.arena_off])
-        snap.corrupt = p.corrupt
-        snap.map_views(arena=False)
+        snap = MappedViews(bytearray(p.mm[:p.layout.arena_off]), p.layout, p.corrupt,
+                           arena=False)
         assert snap.arena is None
-        assert snap.num_free == p.num_free and snap.epoch == p.epoch
+        assert snap.num_free == p.views.num_free and snap.epoch == p.views.epoch
         assert (snap.blocks["ref_count"] == p.blocks["ref_count"]).all()
+    finally:
+        m.destroy()
+
+
+def test_the_pool_binds_every_view_of_its_views_object():
+    """``Pool`` reads its views through the same names as ``MappedViews``
+    owns them (``Pool.bind_views``): one list, declared on both."""
+    assert set(MappedViews.NAMES) == {k for k in Pool.__annotations__ if k != "views"}
+    m = PagedCacheManager(block_size=4, max_blocks=16)
+    try:
+        p = m.pool
+        for k in MappedViews.NAMES:
+            assert getattr(p, k) is getattr(p.views, k), k
     finally:
         m.destroy()

@@ -147,7 +147,7 @@ class PoolAdmin:
                 res = max(0, int(p.slots["reserved"][s]))
                 out.append({"slot": s, "pid": int(p.slots["pid"][s]),
                             "start_time": float(p.slots["start_time"][s]),
-                            "alive": p.slot_alive(s), "tables": len(tabs),
+                            "alive": p.slot_ops.slot_alive(s), "tables": len(tabs),
                             "table_blocks": int(sum(p.t_len[t] for t in tabs)),
                             "loose_blocks": int(p.s_count[s]) - res, "reserved_blocks": res})
             return out

@@ -281,8 +281,7 @@ class PoolView:
             if stable or time.monotonic() >= deadline:
                 break
             time.sleep(0.001)
-        snap = _Snapshot(self.name, lay, bytearray(data))
-        snap.map_views(arena=False)
+        snap = snapshot_views(self.name, lay, bytearray(data))
         problems = recovery.check(snap)
         # what a copy cannot show: a claim or a lock word that does not move
         problems += self.stuck_claims()
@@ -340,15 +339,12 @@ class PoolView:
         self.close()
 
 
-class _Snapshot(MappedViews):
-    """A private copy of a pool's metadata with a Pool's views over it, for
-    ``recovery.check``; corruption met reading it is only reported."""
-
-    def __init__(self, name: str, lay: L.Layout, data: bytearray) -> None:
-        self.name, self.layout, self.mm = name, lay, data
-
-    def corrupt(self, what: str) -> CorruptPoolError:
-        return CorruptPoolError(f"pool {self.name!r} is corrupt: {what}")
+def snapshot_views(name: str, lay: L.Layout, data: bytearray) -> MappedViews:
+    """A Pool's views over a private copy of a pool's metadata (no arena),
+    for ``recovery.check``: corruption met reading it is only reported."""
+    def corrupt(what: str) -> CorruptPoolError:
+        return CorruptPoolError(f"pool {name!r} is corrupt: {what}")
+    return MappedViews(data, lay, corrupt, arena=False)
 
 
 def removal_verdict(view: PoolView):

@@ -59,7 +59,7 @@ def claim(p, t: int) -> None:
         if v in (0, -1):
             break
         s = v - 1
-        if not 0 <= s < p.layout.max_slots or p.slots["state"][s] != 1 or not p.slot_alive(s):
+        if not 0 <= s < p.layout.max_slots or p.slots["state"][s] != 1 or not p.slot_ops.slot_alive(s):
             # its holder is gone mid-append: the table's fields are each
             # valid (hot_claim.h), so the claim is simply taken over
             p.t_claim[t] = -1
@@ -150,7 +150,7 @@ def stale_claims(p) -> list:
         # watches the live ones)
         out += stuck_claim_lines(p, stuck_claims(
             p.tables["claim"], lambda s: 0 <= s < p.layout.max_slots
-            and p.slots["state"][s] == 1 and p.slot_alive(s)))
+            and p.slots["state"][s] == 1 and p.slot_ops.slot_alive(s)))
     return out
 
 

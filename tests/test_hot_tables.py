@@ -40,7 +40,7 @@ def _shared_state(m):
     two pools by construction (seeds, times, lock bookkeeping)."""
     p = m.pool
     b = p.blocks
-    c = p.counters.copy()
+    c = p.counter_array.copy()
     c[LOCK_COUNTERS] = 0
     return (b["ref_count"].tobytes(), b["prev"].tobytes(), b["next"].tobytes(),
             b["flags"].tobytes(), b["token_count"].tobytes(), b["gen"].tobytes(),

@@ -26,6 +26,7 @@ from . import recovery
 from .reclaim import reclaim_dead_slots
 from .reserve import reserved_total
 from ..shm.hot_ops import NativeOps, ReferenceOps
+from ..shm.counters import Counters
 from ..shm.index import OpenIndex
 from ..errors import CorruptPoolError, PoolClosedError
 from ..shm.lock import PoolLock, open_hot
@@ -95,7 +96,7 @@ class MappedViews:
 
     # every view this object owns, in the order they are built (``Pool``
     # binds the same names to the same objects: see ``Pool.bind_views``)
-    NAMES = ("raw", "header", "counters", "c", "slots", "blocks", "hidx", "chunks",
+    NAMES = ("raw", "header", "counter_array", "c", "counters", "slots", "blocks", "hidx", "chunks",
              "kmat", "kw", "tables", "tidx", "b_ref", "b_prev", "b_next", "b_flags",
              "b_tok", "b_last", "b_gen", "t_state", "t_owner", "t_head", "t_tail",
              "t_len", "t_tok", "t_rhash", "t_claim", "s_head", "s_count", "hhome",
@@ -108,8 +109,9 @@ class MappedViews:
         lay = layout
         self.raw = memoryview(mm)
         self.header = np.frombuffer(mm, L.HEADER_DTYPE, 1, 0)
-        self.counters = np.frombuffer(mm, np.int64, L.NUM_COUNTERS, lay.counters_off)
-        self.c = _words(self.counters)
+        self.counter_array = np.frombuffer(mm, np.int64, L.NUM_COUNTERS, lay.counters_off)
+        self.c = _words(self.counter_array)     # the counter words (``C_*``)
+        self.counters = Counters(self.c)         # the same, by name
         self.slots = np.frombuffer(mm, L.SLOT_DTYPE, lay.max_slots, lay.slots_off)
         self.blocks = np.frombuffer(mm, L.BLOCK_DTYPE, lay.max_blocks + 2, lay.blocks_off)
         self.hidx = np.frombuffer(mm, np.int32, lay.hash_capacity, lay.hash_off)
@@ -163,24 +165,7 @@ class MappedViews:
         for k in self.NAMES:
             setattr(self, k, None)
 
-    # ================================================================ counters
-    @property
-    def num_free(self) -> int:
-        """Blocks in the free list (reserved ones not counted: ``gauges``)."""
-        return int(self.c[L.C_NUM_FREE])
-
-    @property
-    def num_tables(self) -> int:
-        return int(self.c[L.C_NUM_TABLES])
-
-    @property
-    def epoch(self) -> int:
-        return int(self.c[L.C_EPOCH])
-
-    @property
-    def dirty(self) -> bool:
-        return bool(self.c[L.C_DIRTY])
-
+    # ================================================================ gauges
     def gauges(self) -> dict:
         """The pool's figures by name for ``/metrics`` and the CLI, read
         without the lock (statistics: each counter is one aligned word,
@@ -189,19 +174,18 @@ class MappedViews:
         reserved_blocks; tables, hits, misses, prefix_hit_rate, cow,
         evictions, ops (lock holds), recoveries, reclaimed_refs,
         lock_wait_max_s, lock_turns, lock_queue, dirty, free_ref_chunks."""
-        c, n = self.c, self.layout.max_blocks
+        k, n = self.counters, self.layout.max_blocks
         b = self.blocks
         g = block_usage(b["ref_count"][:n], b["flags"][:n])
-        hits, misses = int(c[L.C_HITS]), int(c[L.C_MISSES])
-        g.update(free_list_blocks=int(c[L.C_NUM_FREE]), reserved_blocks=reserved_total(self),
-                 tables=int(c[L.C_NUM_TABLES]), hits=hits, misses=misses,
-                 prefix_hit_rate=prefix_hit_rate(hits, misses), cow=int(c[L.C_COW]),
-                 evictions=int(c[L.C_EVICTIONS]), ops=int(c[L.C_OPS]),
-                 recoveries=int(c[L.C_RECOVERIES]), reclaimed_refs=int(c[L.C_RECLAIMED]),
-                 lock_wait_max_s=int(c[L.C_LOCK_WAIT_NS]) / 1e9,
-                 lock_turns=int(c[L.C_TURN_NEXT]),
-                 lock_queue=max(0, int(c[L.C_TURN_NEXT]) - int(c[L.C_TURN_NOW])),
-                 dirty=bool(c[L.C_DIRTY]), free_ref_chunks=int(c[L.C_FREE_REFS]))
+        hits, misses = int(k.hits), int(k.misses)
+        g.update(free_list_blocks=int(k.num_free), reserved_blocks=reserved_total(self),
+                 tables=int(k.num_tables), hits=hits, misses=misses,
+                 prefix_hit_rate=prefix_hit_rate(hits, misses), cow=int(k.cow),
+                 evictions=int(k.evictions), ops=int(k.ops),
+                 recoveries=int(k.recoveries), reclaimed_refs=int(k.reclaimed),
+                 lock_wait_max_s=int(k.lock_wait_ns) / 1e9,
+                 lock_turns=int(k.turn_next), lock_queue=k.lock_queue,
+                 dirty=bool(k.dirty), free_ref_chunks=int(k.free_refs))
         return g
 
 
@@ -227,8 +211,9 @@ class Pool:
     # ``bind_views``; test_gauges checks the two lists agree)
     raw: Any
     header: Any
-    counters: Any
+    counter_array: Any
     c: Any
+    counters: Counters
     slots: Any
     blocks: Any
     hidx: Any
@@ -275,7 +260,7 @@ class Pool:
         self._read_header()
         # the pool mutex and the fused operations (C, or ctypes + fastpath)
         self.native, self.ops = self._open_native()
-        self.lock = PoolLock(self.native, self.c, self._on_dirty)
+        self.lock = PoolLock(self.native, self.counters, self._on_dirty)
         self.slot_ops = SlotOps(name, fd, lay, self.views, self.lock)
         self.lock.check_usable = self.check_usable
         self.lock.unusable = False
@@ -449,15 +434,16 @@ class Pool:
         b["prev"][0] = b["next"][0] = -1
         b["ref_count"][0] = 1
         b["flags"][0] = L.FLAG_NULL
-        self.c[L.C_NUM_FREE] = n - 1
+        counters = self.counters
+        counters.num_free = n - 1
         # every chunk free: 0 -> 1 -> ... -> num_chunks-1, first ids -1
         km = self.kmat
         km[:, 0] = np.arange(1, lay.num_chunks + 1, dtype=np.int32)
         km[-1, 0] = -1
         km[:, 1] = -1
-        self.c[L.C_HOLDER] = -1
-        self.c[L.C_FREE_REF] = 0
-        self.c[L.C_FREE_REFS] = lay.num_chunks
+        counters.holder = -1
+        counters.free_ref = 0
+        counters.free_refs = lay.num_chunks
         self.hidx[:] = -1
         self.tidx[:] = -1
         h["checksum"] = np.frombuffer(L.header_checksum(h), "V16")[0]
@@ -494,7 +480,7 @@ class Pool:
         # pool dirty all along), the next repair must wait for its liveness
         # byte, not the earlier holder's, whose slot this repair frees and a
         # new process may take (a wait on a live slot lasts its whole timeout)
-        self.c[L.C_HOLDER] = self.slot_ops.slot
+        self.counters.holder = self.slot_ops.slot
         self._repairing = True      # (corruption met while repairing repairs nothing)
         try:
             recovery.repair(self)

@@ -110,7 +110,7 @@ def reclaim_dead_slots(p, refs: RefStore | None = None) -> int:
         n += release_slot_holdings(p, refs, s)
         p.slots["state"][s] = 0
     n += release_orphan_tables(p, refs)
-    p.c[L.C_RECLAIMED] += n
+    p.counters.count_reclaimed(n)
     return n
 
 

@@ -21,7 +21,6 @@ import time
 
 import numpy as np
 
-from . import layout as L
 
 logger = logging.getLogger("shmcache.manager.paged_cache")
 
@@ -169,11 +168,11 @@ def attach_pure(p, slot: int, pure: bool) -> None:
     """Record whether ``slot`` (being claimed) runs without the accelerator."""
     p.slots["pure"][slot] = int(pure)
     if pure:
-        p.c[L.C_PURE] += 1
+        p.counters.pure_attached()
 
 
 def detach_pure(p, slot: int) -> None:
     """``slot`` goes (closed, or dead): it no longer counts in C_PURE."""
     if p.slots["pure"][slot]:
         p.slots["pure"][slot] = 0
-        p.c[L.C_PURE] = max(0, int(p.c[L.C_PURE]) - 1)
+        p.counters.pure_detached()

@@ -132,8 +132,9 @@ class SlotOps:
     open file description of the segment, ``liveness_fd``), whether this
     mapping was inherited across a fork, and the lock word seen stuck.
     Its collaborators, given to the constructor: the pool's name, segment
-    fd and layout, its views (``slots``: the slot table; ``c``: the
-    counters; any object with those two, ``pool.MappedViews``), and its
+    fd and layout, its views (``slots``: the slot table; ``counters``: the
+    counters (``counters.Counters``); any object with those two,
+    ``pool.MappedViews``), and its
     ``lock`` (``PoolLock``: its ``slot`` is kept equal to ``slot``, and its
     ``native`` is the mutex the lock word is read through).
 
@@ -221,7 +222,7 @@ class SlotOps:
     def recorded_holder_pid(self):
         """The pid of the lock's recorded holder (C_HOLDER), if that slot is
         attached and alive; else None."""
-        s = int(self.views.c[L.C_HOLDER])
+        s = int(self.views.counters.holder)
         slots = self.views.slots
         if 0 <= s < self.layout.max_slots and slots["state"][s] == 1 and self.slot_alive(s):
             return int(slots["pid"][s])
@@ -251,7 +252,7 @@ class SlotOps:
         # NOTE: the kernel hands a robust mutex on when its dying holder's
         # memory goes, a moment before its files (and liveness byte) close:
         # wait for that, so that the repair reclaims what the holder held.
-        s = int(self.views.c[L.C_HOLDER])
+        s = int(self.views.counters.holder)
         slots = self.views.slots
         if not 0 <= s < self.layout.max_slots or s == self.slot:
             return

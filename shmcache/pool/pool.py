@@ -200,6 +200,8 @@ class Pool:
       The hot paths read them through the same names on the pool
       (``pool.blocks``, ``pool.c``, ...): references to ``views``' objects
       bound once (``bind_views``), not copies, dropped with them at ``unmap``;
+    * ``counters`` (``counters.Counters``, built by ``views``): the counter
+      words by name (``pool.counters.num_free``, ``.count_eviction()``);
     * ``slot_ops`` (``slots.SlotOps``): this manager's slot (``slot``), its
       liveness byte, and whether other slots' holders are alive;
     * ``lock`` (``lock.PoolLock``) and ``ops`` (``hot_ops``: the C

@@ -132,11 +132,10 @@ class SlotOps:
     open file description of the segment, ``liveness_fd``), whether this
     mapping was inherited across a fork, and the lock word seen stuck.
     Its collaborators, given to the constructor: the pool's name, segment
-    fd and layout, its views (``slots``: the slot table; ``counters``: the
-    counters (``counters.Counters``); any object with those two,
-    ``pool.MappedViews``), and its
-    ``lock`` (``PoolLock``: its ``slot`` is kept equal to ``slot``, and its
-    ``native`` is the mutex the lock word is read through).
+    fd and layout; its views (``pool.MappedViews``, or any object with
+    ``slots``, the slot table, and ``counters``, a ``counters.Counters``);
+    and its ``lock`` (``PoolLock``: its ``slot`` is kept equal to ``slot``,
+    and its ``native`` is the mutex the lock word is read through).
 
     Invariants: a slot is attached (state 1) from ``claim`` to ``release``,
     and its liveness byte is locked by its holder all that time; an

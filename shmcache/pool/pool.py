@@ -264,6 +264,11 @@ class Pool:
         self.native, self.ops = self._open_native()
         self.lock = PoolLock(self.native, self.counters, self._on_dirty)
         self.slot_ops = SlotOps(name, fd, lay, self.views, self.lock)
+        # This manager's slot (-1 before it has one and after it let it go):
+        # ``slot_ops.slot``, copied here by the two methods that change it
+        # (``_take_slot``, ``release_slot``), a plain attribute read by every
+        # hot path (a property would cost each call about 40 ns).
+        self.slot = -1
         self.lock.check_usable = self.check_usable
         self.lock.unusable = False
         self.lock.release_claims = lambda: claims.release(self)
@@ -284,11 +289,6 @@ class Pool:
         self.seed = bytes(h["seed"])
 
     # ------------------------------------------------------ the slot (slot_ops)
-    @property
-    def slot(self) -> int:
-        """This manager's slot (-1 before it has one and after it let it go)."""
-        return self.slot_ops.slot
-
     @property
     def forked(self) -> bool:
         """Whether this mapping was inherited by a forked child (which has no
@@ -465,6 +465,13 @@ class Pool:
                 # can be reused (a clean pool only; a dirty one waits for repair).
                 reclaim_dead_slots(self)
             self.slot_ops.claim(pure=not self.ops.native)
+            self.slot = self.slot_ops.slot
+
+    def release_slot(self) -> None:
+        """Give this manager's slot back (``SlotOps.release``: under the
+        lock, its holdings released first)."""
+        self.slot_ops.release()
+        self.slot = self.slot_ops.slot
 
     def _on_dirty(self):
         # The lock found the pool dirty (its previous holder died mid-update)

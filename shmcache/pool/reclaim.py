@@ -165,7 +165,7 @@ def close(p, refs: RefStore, destroy: bool, finalizing: bool = False) -> None:
                 # Pool.corrupt has rebuilt the derived state from the lists:
                 # release what they now hold.
                 release_slot_holdings(p, refs, p.slot)
-            p.slot_ops.release()
+            p.release_slot()
             # before the lock is released: a thread waiting for it must not
             # run an operation with no slot (slot -1 is another's slot)
             p.lock.unusable = True

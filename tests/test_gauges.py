@@ -70,18 +70,19 @@ def test_every_counter_word_has_one_property():
     assert {"dirty", "num_free", "epoch", "holder", "pure", "turn_now"} <= set(words)
     assert all(0 <= i < L.NUM_COUNTERS for i in words.values())
     a = np.zeros(L.NUM_COUNTERS, np.int64)
-    k = Counters(memoryview(a))
+    k = Counters.from_buffer(a)
     for name, i in words.items():
         setattr(k, name, i + 100)
         assert a[i] == i + 100 and getattr(k, name) == i + 100
     a[:] = 0
     k.count_hits(3)
     k.count_misses()
-    k.free_list_shrank(2)
+    k.num_free -= 2
     assert k.bump_epoch() == 1
     assert (k.hits, k.misses, k.num_free, k.epoch) == (3, 1, -2, 1)
-    assert k.begin_hold(5) and (k.dirty, k.holder) == (1, 5)
-    assert not k.begin_hold(6) and k.holder == 5          # dirty: left as found
-    k.end_hold(0)
-    assert (k.dirty, k.holder, k.ops) == (0, -1, 1)
-    assert int(a.sum()) == 3 + 1 - 2 + 1 - 1 + 1
+    k.table_created()
+    k.pure_detached()                   # (never below 0)
+    assert (k.num_tables, k.pure) == (1, 0)
+    assert int(a.sum()) == 3 + 1 - 2 + 1 + 1
+    k.l2_hits = 7
+    assert k.l2()["hits"] == 7 == a[L.C_L2["hits"]]

@@ -111,7 +111,8 @@ class PoolView:
         self.mm = mmap.mmap(self.fd, lay.arena_off, mmap.MAP_SHARED, mmap.PROT_READ)
         self.counter_array = np.frombuffer(self.mm, np.int64, L.NUM_COUNTERS, lay.counters_off)
         self.c = self.counter_array
-        self.counters = Counters(self.c)        # (read only: the mapping is)
+        # the same by name, over the read-only mapping: read, never written
+        self.counters = Counters.from_address(self.counter_array.ctypes.data)
         self.slots = np.frombuffer(self.mm, L.SLOT_DTYPE, lay.max_slots, lay.slots_off)
         self.blocks = np.frombuffer(self.mm, L.BLOCK_DTYPE, lay.max_blocks + 2, lay.blocks_off)
         self.tables = np.frombuffer(self.mm, L.TABLE_DTYPE, lay.max_tables, lay.tables_off)

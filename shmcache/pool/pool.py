@@ -111,7 +111,7 @@ class MappedViews:
         self.header = np.frombuffer(mm, L.HEADER_DTYPE, 1, 0)
         self.counter_array = np.frombuffer(mm, np.int64, L.NUM_COUNTERS, lay.counters_off)
         self.c = _words(self.counter_array)     # the counter words (``C_*``)
-        self.counters = Counters(self.c)         # the same, by name
+        self.counters = Counters.from_buffer(mm, lay.counters_off)   # the same, by name
         self.slots = np.frombuffer(mm, L.SLOT_DTYPE, lay.max_slots, lay.slots_off)
         self.blocks = np.frombuffer(mm, L.BLOCK_DTYPE, lay.max_blocks + 2, lay.blocks_off)
         self.hidx = np.frombuffer(mm, np.int32, lay.hash_capacity, lay.hash_off)

@@ -74,7 +74,9 @@ class ChunkArea:
         if w[base + 1] != -1 or not -1 <= nxt < n:
             raise p.corrupt(f"chunk {c} is on the free list but holds block {w[base + 1]} "
                             f"or links to {nxt}")
-        p.counters.chunk_taken(nxt)
+        k = p.counters
+        k.free_ref = nxt            # the next chunk heads the free list
+        k.free_refs -= 1
         w[base] = -1
         return c
 
@@ -84,7 +86,8 @@ class ChunkArea:
         w[c * CW + 1] = -1
         k = p.counters
         w[c * CW] = k.free_ref
-        k.chunk_given(c)
+        k.free_ref = c              # c heads the free list
+        k.free_refs += 1
 
     # ---- walks: every chunk id read from shared memory, checked ------------
     def _check_chunk(self, c: int, what: str) -> int:

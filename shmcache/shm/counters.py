@@ -5,11 +5,15 @@ counters section; the byte map says which are derived and rebuilt by
 recovery). ``Counters`` has one property per counter, named after its
 constant in lower case (``C_NUM_FREE`` is ``num_free``): the list is
 ``layout.COUNTER_WORDS``, built from those constants, never kept a second
-time. A property reads the word (a Python int) and, assigned, sets it:
+time. A field reads the word (a Python int) and, assigned, sets it:
 assignment is for the writes that *set* a counter (initialising the pool,
-recovery's recount). A change that records an event is a named method
-(``count_eviction``, ``bump_epoch``, ``free_list_grew``, ...), so that the
-call site says what the write means.
+recovery's recount) and for the structures that keep their own counter in
+step, once per block or per hold (the free list's ``num_free``, the chunk
+area's ``free_ref``/``free_refs``, the lock's ``dirty``/``holder``/``ops``:
+a method call there would cost each about 50 ns more). A change that
+records an event elsewhere is a named method (``count_eviction``,
+``bump_epoch``, ``table_created``, ...), so that the call site says what the
+write means.
 
 The words are read and written without atomics (``+=`` is a read and a
 store): every write here is made under the pool lock, as the byte map
@@ -18,168 +22,122 @@ requires, except ``C_TOKENS``'s, which goes through ``hot_ops``
 lock are statistics (each word is aligned, never torn; a set of them is
 not one instant).
 
-Cost: a property is a Python call (about 40 ns more than indexing the
-words); the few loops that touch a counter once per block (the free list,
-the chunk area) call one method per block, as they indexed the words twice
-before.
+It is a ``ctypes.Structure`` laid over the counters section (``from_buffer``
+on the mapping: live, no copy), its fields generated from
+``layout.COUNTER_WORDS`` (the L2 tier's words are ``l2_<name>``, the unused
+ones ``_spare<i>``): a field is read and written in C, as fast as indexing
+the words (about 20 ns; a Python property costs 55). A named write is one
+Python call.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import ctypes
+from typing import TYPE_CHECKING
 
 from . import layout as L
 
 
-class Counters:
-    """The counter words of one pool (``words``: a memoryview, or an array,
-    of ``layout.NUM_COUNTERS`` int64), by name. Owns nothing but its view
-    of the words; ``MappedViews`` builds it (``pool.counters``)."""
+def _fields() -> list:
+    """One int64 field per counter word, named as ``COUNTER_WORDS`` names it
+    (``l2_<name>`` for the L2 tier's, ``_spare<i>`` for the unused)."""
+    name_at = {i: n for n, i in L.COUNTER_WORDS.items()}
+    name_at.update({i: f"l2_{n}" for n, i in L.C_L2.items()})
+    return [(name_at.get(i, f"_spare{i}"), ctypes.c_int64) for i in range(L.NUM_COUNTERS)]
 
-    __slots__ = ("words",)
 
-    def __init__(self, words: Any) -> None:
-        self.words = words
+class Counters(ctypes.Structure):
+    """The counter words of one pool, by name: build it over the counters
+    section with ``Counters.from_buffer(buffer, layout.counters_off)``
+    (``MappedViews`` does: ``pool.counters``), or ``from_address`` over a
+    read-only mapping (``PoolView``'s: never written then)."""
+
+    _fields_ = _fields()
 
     if TYPE_CHECKING:
-        # (the properties are made below, one per ``layout.COUNTER_WORDS``:
-        # to mypy, every counter name is an int)
+        # (the fields are made from ``layout.COUNTER_WORDS``: to mypy, every
+        # counter name is an int; the three the methods below set as well as
+        # read are declared)
         def __getattr__(self, name: str) -> int: ...
         def __setattr__(self, name: str, value: int) -> None: ...
+        dirty: int
+        holder: int
+        lock_wait_ns: int
 
     # ---- events (callers hold the pool lock) ---------------------------------
     def count_hits(self, n: int = 1) -> None:
         """``n`` prompt blocks were found in the prefix cache."""
-        self.words[L.C_HITS] += n
+        self.hits += n
 
     def count_misses(self, n: int = 1) -> None:
         """``n`` prompt blocks were looked up and not found."""
-        self.words[L.C_MISSES] += n
+        self.misses += n
 
     def count_cow(self) -> None:
         """A shared block was copied before a write (copy-on-write)."""
-        self.words[L.C_COW] += 1
+        self.cow += 1
 
     def count_eviction(self) -> None:
         """A cached block was evicted (taken for reuse, or dropped)."""
-        self.words[L.C_EVICTIONS] += 1
+        self.evictions += 1
 
     def count_reclaimed(self, n: int) -> None:
         """``n`` references held by dead holders were released."""
-        self.words[L.C_RECLAIMED] += n
+        self.reclaimed += n
 
     def count_recovery(self) -> None:
         """A dirty pool was repaired."""
-        self.words[L.C_RECOVERIES] += 1
+        self.recoveries += 1
 
     def table_created(self) -> None:
         """A block table was created (``num_tables`` + 1)."""
-        self.words[L.C_NUM_TABLES] += 1
+        self.num_tables += 1
 
     def table_dropped(self) -> None:
         """A block table was deleted (``num_tables`` - 1)."""
-        self.words[L.C_NUM_TABLES] -= 1
+        self.num_tables -= 1
 
     def bump_epoch(self) -> int:
         """Lists moved under live managers (a repair, a clear, a block taken
         from another slot's reserve): they re-read their loose maps. Returns
         the new epoch."""
-        w = self.words
-        w[L.C_EPOCH] += 1
-        return w[L.C_EPOCH]
-
-    def free_list_grew(self, n: int = 1) -> None:
-        """``n`` blocks joined the free list."""
-        self.words[L.C_NUM_FREE] += n
-
-    def free_list_shrank(self, n: int = 1) -> None:
-        """``n`` blocks left the free list."""
-        self.words[L.C_NUM_FREE] -= n
-
-    def chunk_taken(self, next_head: int) -> None:
-        """The free chunk list's head chunk was taken; ``next_head`` (-1:
-        none) heads it now."""
-        w = self.words
-        w[L.C_FREE_REF] = next_head
-        w[L.C_FREE_REFS] -= 1
-
-    def chunk_given(self, chunk: int) -> None:
-        """``chunk`` (already linked to the old head) heads the free chunk
-        list now."""
-        w = self.words
-        w[L.C_FREE_REF] = chunk
-        w[L.C_FREE_REFS] += 1
+        self.epoch += 1
+        return self.epoch
 
     def pure_attached(self) -> None:
         """A process without the C accelerator took a slot."""
-        self.words[L.C_PURE] += 1
+        self.pure += 1
 
     def pure_detached(self) -> None:
         """A process without the C accelerator let its slot go (or died)."""
-        w = self.words
-        w[L.C_PURE] = max(0, int(w[L.C_PURE]) - 1)
+        self.pure -= min(1, self.pure)          # (to 0 from below 1)
 
-    # ---- the pool lock's (lock.PoolLock, on every hold) ----------------------
-    def begin_hold(self, slot: int) -> bool:
-        """A lock hold begins. False when the pool is dirty (nothing written:
-        the repair runs, and a dirty pool keeps the holder that left it so);
-        else ``slot`` is recorded as the holder and the dirty mark set."""
-        w = self.words
-        if w[L.C_DIRTY]:
-            return False
-        w[L.C_HOLDER] = slot
-        w[L.C_DIRTY] = 1
-        return True
-
-    def end_hold(self, keep_dirty: int) -> None:
-        """A lock hold ends cleanly: counted; the dirty mark becomes
-        ``keep_dirty``, and without it the pool records no holder."""
-        w = self.words
-        w[L.C_OPS] += 1
-        w[L.C_DIRTY] = keep_dirty
-        if not keep_dirty:
-            w[L.C_HOLDER] = -1
-
+    # ---- the pool lock's (``lock.PoolLock`` sets ``dirty``, ``holder`` and
+    # ``ops`` itself on every hold, field by field: a call costs more) -----
     def mark_dirty(self) -> None:
         """The pool needs a repair by its next lock holder (or this one)."""
-        self.words[L.C_DIRTY] = 1
+        self.dirty = 1
 
     def note_lock_wait(self, waited_ns: int) -> None:
         """A wait for the pool lock of ``waited_ns``: kept if the longest."""
-        w = self.words
-        if waited_ns > w[L.C_LOCK_WAIT_NS]:
-            w[L.C_LOCK_WAIT_NS] = waited_ns
+        if waited_ns > self.lock_wait_ns:
+            self.lock_wait_ns = waited_ns
 
     def reset_stats(self, cow: bool = True) -> None:
         """Zero the hit, miss, eviction (and, with ``cow``, copy-on-write)
         statistics."""
-        w = self.words
-        w[L.C_HITS] = w[L.C_MISSES] = w[L.C_EVICTIONS] = 0
+        self.hits = self.misses = self.evictions = 0
         if cow:
-            w[L.C_COW] = 0
+            self.cow = 0
 
     def l2(self) -> dict:
         """The pool-wide L2 counters (``layout.L2_COUNTERS``) by name."""
-        w = self.words
-        return {name: int(w[i]) for name, i in L.C_L2.items()}
+        return {name: getattr(self, f"l2_{name}") for name in L.C_L2}
 
     @property
     def lock_queue(self) -> int:
         """Fused operations waiting for their turn at the lock now."""
-        w = self.words
-        return max(0, int(w[L.C_TURN_NEXT]) - int(w[L.C_TURN_NOW]))
+        return max(0, self.turn_next - self.turn_now)
 
 
-def _word(name: str, index: int) -> property:
-    def get(self: Counters) -> int:
-        return self.words[index]
-
-    def put(self: Counters, value: int) -> None:
-        self.words[index] = value
-
-    return property(get, put, doc=f"Counter C_{name.upper()} (word {index}).")
-
-
-for _name, _index in L.COUNTER_WORDS.items():
-    setattr(Counters, _name, _word(_name, _index))
-del _name, _index
+assert ctypes.sizeof(Counters) == L.NUM_COUNTERS * 8

@@ -49,7 +49,7 @@ class SharedFreeQueue:
         nxt[p.HEAD] = n
         prv[n] = p.HEAD
         prv[b] = nxt[b] = -1
-        p.counters.free_list_shrank()
+        p.counters.num_free -= 1
         return b
 
     def remove_id(self, b: int) -> None:
@@ -63,7 +63,7 @@ class SharedFreeQueue:
         nxt[pr] = n
         prv[n] = pr
         prv[b] = nxt[b] = -1
-        p.counters.free_list_shrank()
+        p.counters.num_free -= 1
 
     def append_id(self, b: int) -> None:
         p = self.p
@@ -73,7 +73,7 @@ class SharedFreeQueue:
         prv[b] = last
         nxt[b] = p.TAIL
         prv[p.TAIL] = b
-        p.counters.free_list_grew()
+        p.counters.num_free += 1
 
     def appendleft_id(self, b: int) -> None:
         p = self.p
@@ -83,7 +83,7 @@ class SharedFreeQueue:
         nxt[b] = first
         prv[b] = p.HEAD
         nxt[p.HEAD] = b
-        p.counters.free_list_grew()
+        p.counters.num_free += 1
 
     def ids(self, limit: int | None = None) -> list:
         p = self.p

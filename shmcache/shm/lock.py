@@ -139,11 +139,14 @@ class PoolLock:
             self._tlock.release()
             raise
         self._depth = 1
-        if self._counters.begin_hold(self.slot):
-            self._keep_dirty = 0
+        k = self._counters          # (fields: as fast as indexing the words)
+        if k.dirty:
+            self._dirty_on_entry()
         else:
             # (a dirty pool keeps the holder that left it so: repair waits for it)
-            self._dirty_on_entry()
+            k.holder = self.slot
+            self._keep_dirty = 0
+            k.dirty = 1
         return self
 
     def _wait(self) -> None:
@@ -196,9 +199,12 @@ class PoolLock:
                 # Interrupted mid-update (KeyboardInterrupt, a bug):
                 # repair now, while we still hold the lock.
                 self._on_dirty()
-            # (no holder now, unless kept dirty: a dirty pool keeps the one
-            # that left it so)
-            self._counters.end_hold(self._keep_dirty)
+            k = self._counters
+            k.ops += 1              # a hold that ended cleanly
+            k.dirty = self._keep_dirty
+            if not self._keep_dirty:
+                # no holder now (a dirty pool keeps the one that left it so)
+                k.holder = -1
         finally:
             try:
                 if self.claimed:

@@ -30,7 +30,6 @@ import signal
 import sys
 import time
 
-from .shm import layout as L
 from .shm import segment
 from .errors import ShmCacheError
 from .pool.inspect_pool import PoolView, cleanup as cleanup_pool
@@ -239,7 +238,7 @@ def cmd_fsck(args) -> int:
     if not args.repair:
         return _fsck_read_only(args.name)
     with _open(args.name) as v:
-        dirty = bool(v.c[L.C_DIRTY])
+        dirty = bool(v.counters.dirty)
     mgr = shmcache.attach(args.name, timeout=1.0)
     try:
         p = mgr.pool
@@ -251,7 +250,7 @@ def cmd_fsck(args) -> int:
         for line in problems:
             print(f"{args.name}: found: {line}")
         before = recovery.scan_stats(p)
-        chunks_before = int(p.c[L.C_FREE_REFS])
+        chunks_before = int(p.counters.free_refs)
         with p.lock:
             if problems:
                 recovery.repair(p)      # (the manager re-reads its lists: the epoch moved)
@@ -262,7 +261,7 @@ def cmd_fsck(args) -> int:
               f"free blocks {before['free_blocks']} -> {after['free_blocks']}, allocated "
               f"{before['allocated_blocks']} -> {after['allocated_blocks']}, references "
               f"held {before['refs_held']} -> {after['refs_held']} of {after['max_refs']}, "
-              f"free reference chunks {chunks_before} -> {int(p.c[L.C_FREE_REFS])}")
+              f"free reference chunks {chunks_before} -> {int(p.counters.free_refs)}")
         left = mgr.check()
         for line in left:
             print(f"{args.name}: still: {line}")

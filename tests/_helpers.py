@@ -40,7 +40,7 @@ def snapshot(m):
     plus the manager's private index of its own references."""
     p = m.pool
     lay = p.layout
-    c = p.counters.copy()
+    c = p.counter_array.copy()
     c[LOCK_COUNTERS] = 0
     hdr = bytes(p.mm[:L.MUTEX_OFF]) + bytes(p.mm[L.MUTEX_OFF + L.MUTEX_BYTES:lay.counters_off])
     return (hdr, c.tobytes(),

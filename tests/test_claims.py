@@ -106,18 +106,18 @@ def test_a_claim_held_by_the_lock_holder_turns_the_lock_free_append_off(manager)
     p = m.pool
     t = m.create_block_table("t")
     m.prepare_append(t, 5)
-    p.t_claim[t._t] = -1                            # as a hold that writes the table has it
+    p.t_claim[t.internals.table] = -1                            # as a hold that writes the table has it
     held = ops(m)
     try:
-        assert p.native.append(t._t, t._rh, 1, 4, 0.0, p.slot, m.internals.holder.epoch) is None
+        assert p.native.append(t.internals.table, t.internals.rid_hash, 1, 4, 0.0, p.slot, m.internals.holder.epoch) is None
         assert ops(m) == held + 1                   # it went for the lock, and refused
         assert t.num_tokens == 5
     finally:
-        p.t_claim[t._t] = 0
+        p.t_claim[t.internals.table] = 0
     with p.lock:
         m.internals.tables.table_index(t)                           # a Python hold takes the claim...
-        assert p.t_claim[t._t] == -1 and p.lock.claimed == [t._t]
-    assert p.t_claim[t._t] == 0 and p.lock.claimed == []    # ...and gives it back
+        assert p.t_claim[t.internals.table] == -1 and p.lock.claimed == [t.internals.table]
+    assert p.t_claim[t.internals.table] == 0 and p.lock.claimed == []    # ...and gives it back
 
 
 def test_a_lock_holder_waits_for_a_live_appender_and_takes_a_dead_ones_claim(make_pool):
@@ -127,8 +127,8 @@ def test_a_lock_holder_waits_for_a_live_appender_and_takes_a_dead_ones_claim(mak
     try:
         t = a.create_block_table("t")
         a.prepare_append(t, 5)
-        p.t_claim[t._t] = other.pool.slot + 1         # as if it were appending now
-        let_go = threading.Timer(0.3, lambda: p.t_claim.__setitem__(t._t, 0))
+        p.t_claim[t.internals.table] = other.pool.slot + 1         # as if it were appending now
+        let_go = threading.Timer(0.3, lambda: p.t_claim.__setitem__(t.internals.table, 0))
         let_go.start()
         t0 = time.monotonic()
         a.trim_table(t, 1)                          # waits for the claim
@@ -137,10 +137,10 @@ def test_a_lock_holder_waits_for_a_live_appender_and_takes_a_dead_ones_claim(mak
         # a slot that is not attached (a dead appender's, reclaimed): taken over
         dead = other.pool.slot
         other.close()
-        p.t_claim[t._t] = dead + 1
+        p.t_claim[t.internals.table] = dead + 1
         assert any("claimed by slot" in x for x in a.check())
         a.trim_table(t, 1)
-        assert t.num_tokens == 3 and p.t_claim[t._t] == 0 and a.check() == []
+        assert t.num_tokens == 3 and p.t_claim[t.internals.table] == 0 and a.check() == []
     finally:
         if not other.pool.closed:
             other.close()
@@ -151,11 +151,11 @@ def test_repair_gives_back_a_dead_lock_holders_claims(manager):
     p = m.pool
     t = m.create_block_table("t")
     m.prepare_append(t, 5)
-    p.t_claim[t._t] = -1                            # left by a holder that died
+    p.t_claim[t.internals.table] = -1                            # left by a holder that died
     assert any("lock holder that is gone" in x for x in m.check())
     with p.lock:
         m.pool._on_dirty()
-    assert p.t_claim[t._t] == 0 and m.check() == []
+    assert p.t_claim[t.internals.table] == 0 and m.check() == []
     m.prepare_append(t, 1)
     consistent(m, t)
 
@@ -166,7 +166,7 @@ def test_free_records_with_a_claim_are_not_reused(manager):
     p.t_claim[0] = 5                                # a stale probe on a free record
     try:
         t = m.create_block_table("t")
-        assert t._t != 0
+        assert t.internals.table != 0
         with p.lock:
             assert m.internals.tables.new_table("u") != 0
     finally:

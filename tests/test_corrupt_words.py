@@ -111,19 +111,19 @@ def test_a_claim_naming_a_live_attached_process_hangs_nobody(make_pool, pure):
     idle = _start(IDLE, a.name)
     try:
         slot = int(_line(idle))
-        a.pool.t_claim[t._t] = slot + 1              # a corrupted word: slot is alive, idle
+        a.pool.t_claim[t.internals.table] = slot + 1              # a corrupted word: slot is alive, idle
         took = _ops(a.name, pure)                  # used to hang forever
         assert took < claims.CLAIM_STUCK_S + 8
-        assert a.pool.t_claim[t._t] == 0 and t.num_tokens == 6
+        assert a.pool.t_claim[t.internals.table] == 0 and t.num_tokens == 6
         if not pure:    # (the command below is the same in both modes)
-            a.pool.t_claim[t._t] = slot + 1
+            a.pool.t_claim[t.internals.table] = slot + 1
             r = run("fsck", a.name)
             assert r.returncode == 1 and "stuck or corrupted claim" in r.stdout, r.stdout
             # again, and fsck --repair clears it
-            a.pool.t_claim[t._t] = slot + 1
+            a.pool.t_claim[t.internals.table] = slot + 1
             r = run("fsck", "--repair", a.name, timeout=30)
             assert r.returncode == 0, r.stdout + r.stderr
-            assert a.pool.t_claim[t._t] == 0
+            assert a.pool.t_claim[t.internals.table] == 0
             assert run("fsck", a.name).returncode == 0
     finally:
         idle.kill()
@@ -217,7 +217,7 @@ def test_a_table_whose_owner_is_no_attached_slot_is_reported_and_released(make_p
     t = a.create_block_table("leak")
     for b in a.get_new_blocks(3):
         a.add_block_to_table(t, b, 4)
-    a.pool.t_owner[t._t] = a.pool.layout.max_slots - 1      # a corrupted owner: not attached
+    a.pool.t_owner[t.internals.table] = a.pool.layout.max_slots - 1      # a corrupted owner: not attached
     r = run("fsck", a.name)
     assert r.returncode == 1 and "which is not attached" in r.stdout, r.stdout
     assert a.get_stats().free_blocks == 28

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from shmcache import PagedCacheManager
 from shmcache.shm import layout as L
-from shmcache.pool.pool import MappedViews
+from shmcache.pool.pool import MappedViews, Pool
+from shmcache.shm.counters import Counters
 
 
 def test_gauges_follow_the_pool():
@@ -18,14 +19,14 @@ def test_gauges_follow_the_pool():
         m.create_block_table("r1")
         g = m.pool.gauges()
         assert g["blocks_used"] == 3 and g["blocks_free"] == 12
-        assert g["free_list_blocks"] == m.pool.num_free == 12
-        assert g["tables"] == m.pool.num_tables == 1
+        assert g["free_list_blocks"] == m.pool.counters.num_free == 12
+        assert g["tables"] == m.pool.counters.num_tables == 1
         assert g["ops"] > g0["ops"]                 # lock holds were counted
         s = m.get_stats()
         assert (g["hits"], g["misses"], g["evictions"]) == (s.cache_hits, s.cache_misses,
                                                             s.evictions)
-        assert m.pool.epoch == m.pool.c[L.C_EPOCH]
-        assert m.pool.dirty is False
+        assert m.pool.counters.epoch == m.pool.c[L.C_EPOCH]
+        assert m.pool.counters.dirty == 0
         m.free_block_batch(blocks)
         assert m.pool.gauges()["blocks_used"] == 0
     finally:
@@ -37,13 +38,51 @@ def test_a_snapshot_maps_the_same_views():
     try:
         m.get_new_blocks(2)
         p = m.pool
-        snap = MappedViews()
-        snap.name, snap.layout = p.name, p.layout
-        snap.mm = bytearray(p.mm[:p.layout.arena_off])
-        snap.corrupt = p.corrupt
-        snap.map_views(arena=False)
+        snap = MappedViews(bytearray(p.mm[:p.layout.arena_off]), p.layout, p.corrupt,
+                           arena=False)
         assert snap.arena is None
-        assert snap.num_free == p.num_free and snap.epoch == p.epoch
+        assert snap.counters.num_free == p.counters.num_free and snap.counters.epoch == p.counters.epoch
         assert (snap.blocks["ref_count"] == p.blocks["ref_count"]).all()
     finally:
         m.destroy()
+
+
+def test_the_pool_binds_every_view_of_its_views_object():
+    """``Pool`` reads its views through the same names as ``MappedViews``
+    owns them (``Pool.bind_views``): one list, declared on both."""
+    assert set(MappedViews.NAMES) == {k for k in Pool.__annotations__ if k != "views"}
+    m = PagedCacheManager(block_size=4, max_blocks=16)
+    try:
+        p = m.pool
+        for k in MappedViews.NAMES:
+            assert getattr(p, k) is getattr(p.views, k), k
+    finally:
+        m.destroy()
+
+
+def test_every_counter_word_has_one_property():
+    """``Counters`` names every ``C_*`` word of layout (``COUNTER_WORDS``,
+    built from the constants), each a distinct word, read and set through
+    its property; the named writes change only their own words."""
+    import numpy as np
+    words = L.COUNTER_WORDS
+    assert len(set(words.values())) == len(words)
+    assert {"dirty", "num_free", "epoch", "holder", "pure", "turn_now"} <= set(words)
+    assert all(0 <= i < L.NUM_COUNTERS for i in words.values())
+    a = np.zeros(L.NUM_COUNTERS, np.int64)
+    k = Counters.from_buffer(a)
+    for name, i in words.items():
+        setattr(k, name, i + 100)
+        assert a[i] == i + 100 and getattr(k, name) == i + 100
+    a[:] = 0
+    k.count_hits(3)
+    k.count_misses()
+    k.num_free -= 2
+    assert k.bump_epoch() == 1
+    assert (k.hits, k.misses, k.num_free, k.epoch) == (3, 1, -2, 1)
+    k.table_created()
+    k.pure_detached()                   # (never below 0)
+    assert (k.num_tables, k.pure) == (1, 0)
+    assert int(a.sum()) == 3 + 1 - 2 + 1 + 1
+    k.l2_hits = 7
+    assert k.l2()["hits"] == 7 == a[L.C_L2["hits"]]

@@ -81,7 +81,7 @@ SCENARIO = """
     elif kind.startswith("table "):             # table_drop: table u holds tb
         u = m.create_block_table("u")
         assert m.acquire_computed_blocks(list(range(12)), table=u)[1] == 12
-        hd = p.t_head[u._t]
+        hd = p.t_head[u.internals.table]
         if kind == "table list link":
             p.kw[hd * L.CHUNK_WORDS] = 10**6
         elif kind == "table list id":
@@ -108,7 +108,7 @@ SCENARIO = """
             p.c[L.C_FREE_REF] = 10**9
         elif kind == "append table list id":
             m.prepare_append(u, 10)             # three private blocks, the last partly filled
-            p.kw[p.t_tail[u._t] * L.CHUNK_WORDS + 3] = 10**6
+            p.kw[p.t_tail[u.internals.table] * L.CHUNK_WORDS + 3] = 10**6
         op = lambda: m.prepare_append(u, 5)
     elif kind.startswith("prefix index "):      # find_chain's probes
         if kind == "prefix index entry":        # every empty slot names no block

@@ -40,7 +40,7 @@ def _shared_state(m):
     two pools by construction (seeds, times, lock bookkeeping)."""
     p = m.pool
     b = p.blocks
-    c = p.counters.copy()
+    c = p.counter_array.copy()
     c[LOCK_COUNTERS] = 0
     return (b["ref_count"].tobytes(), b["prev"].tobytes(), b["next"].tobytes(),
             b["flags"].tobytes(), b["token_count"].tobytes(), b["gen"].tobytes(),
@@ -190,20 +190,20 @@ def test_the_table_ops_refuse_outside_a_lock_hold_and_bad_arguments():
         t = m.create_block_table("t")
         m.prepare_append(t, 6)
         before = bytes(p.raw)
-        assert nat.table_drop(t._t) is None                  # lock not held
-        assert nat.table_append(t._t, 1, 4, 0.0) is None
-        assert nat.table_take(t._t, [5], 0.0, 4) is None
+        assert nat.table_drop(t.internals.table) is None                  # lock not held
+        assert nat.table_append(t.internals.table, 1, 4, 0.0) is None
+        assert nat.table_take(t.internals.table, [5], 0.0, 4) is None
         assert nat.table_new(b"u", 7, p.slot) is None
         with p.lock:
             raw, h = rid_key("t")
             assert nat.table_new(raw, h, p.slot) is None     # taken
             assert nat.table_new(b"", 7, p.slot) is None
             assert nat.table_new(b"a\x00b", 7, p.slot) is None
-            assert nat.table_drop(t._t + 1) is None          # not a live table
+            assert nat.table_drop(t.internals.table + 1) is None          # not a live table
             assert nat.table_drop(-1) is None and nat.table_drop(10**6) is None
-            assert nat.table_append(t._t, 0, 4, 0.0) is None     # (the Python path's)
+            assert nat.table_append(t.internals.table, 0, 4, 0.0) is None     # (the Python path's)
             for bad in ([0], [32], [True], ["1"], [10**20]):
-                assert nat.table_take(t._t, bad, 0.0, 4) is None, bad
+                assert nat.table_take(t.internals.table, bad, 0.0, 4) is None, bad
             assert nat.find_chain([b"short"]) is None
             assert nat.find_chain([]) == []
         assert_unchanged_but_the_lock(p, before)
@@ -252,24 +252,24 @@ def test_the_fused_append_takes_the_lock_itself_and_refuses_a_stale_table():
         p, nat = m.pool, m.pool.native
         t = m.create_block_table("t")
         ops = int(p.c[L.C_OPS])
-        ids = nat.append(t._t, t._rh, 6, 4, 0.0, p.slot, m.internals.holder.epoch)
+        ids = nat.append(t.internals.table, t.internals.rid_hash, 6, 4, 0.0, p.slot, m.internals.holder.epoch)
         assert len(ids) == 2 and int(p.c[L.C_OPS]) == ops + 1 and p.c[L.C_DIRTY] == 0
         assert t.num_tokens == 6 and t.block_ids == ids
         before = bytes(p.raw)
         # (3 tokens: past the last block, so the locked path; one token into
         # the last block takes no lock at all: test_the_lock_free_append...)
-        assert nat.append(t._t, t._rh ^ 1, 3, 4, 0.0, p.slot, m.internals.holder.epoch) is None   # not its id
-        assert nat.append(t._t + 1, t._rh, 3, 4, 0.0, p.slot, m.internals.holder.epoch) is None   # no table
-        assert nat.append(t._t, t._rh, 3, 4, 0.0, p.slot, m.internals.holder.epoch + 1) is None   # stale view
-        assert nat.append(t._t, t._rh, 0, 4, 0.0, p.slot, m.internals.holder.epoch) is None       # (Python's)
-        assert nat.append(t._t, t._rh, 3, 4, 0.0, -1, m.internals.holder.epoch) is None
+        assert nat.append(t.internals.table, t.internals.rid_hash ^ 1, 3, 4, 0.0, p.slot, m.internals.holder.epoch) is None   # not its id
+        assert nat.append(t.internals.table + 1, t.internals.rid_hash, 3, 4, 0.0, p.slot, m.internals.holder.epoch) is None   # no table
+        assert nat.append(t.internals.table, t.internals.rid_hash, 3, 4, 0.0, p.slot, m.internals.holder.epoch + 1) is None   # stale view
+        assert nat.append(t.internals.table, t.internals.rid_hash, 0, 4, 0.0, p.slot, m.internals.holder.epoch) is None       # (Python's)
+        assert nat.append(t.internals.table, t.internals.rid_hash, 3, 4, 0.0, -1, m.internals.holder.epoch) is None
         assert_unchanged_but_the_lock(p, before)
         with p.lock:                            # held by this thread: not reentrant
-            assert nat.append(t._t, t._rh, 3, 4, 0.0, p.slot, m.internals.holder.epoch) is None
+            assert nat.append(t.internals.table, t.internals.rid_hash, 3, 4, 0.0, p.slot, m.internals.holder.epoch) is None
             assert [b.block_id for b in m.prepare_append(t, 1)] == [ids[1]]   # Python path
         m.delete_block_table("t")
         u = m.create_block_table("u")           # (reuses the record)
-        assert u._t == t._t and nat.append(t._t, t._rh, 1, 4, 0.0, p.slot, m.internals.holder.epoch) is None
+        assert u.internals.table == t.internals.table and nat.append(t.internals.table, t.internals.rid_hash, 1, 4, 0.0, p.slot, m.internals.holder.epoch) is None
         assert u.num_tokens == 0 and m.check() == []
     finally:
         m.close()
@@ -289,49 +289,49 @@ def test_table_ids_reads_under_the_claim_or_in_one_c_hold_and_refuses_what_pytho
     try:
         p, nat = m.pool, m.pool.native
         t = m.create_block_table("t")
-        assert nat.table_ids(t._t, t._rh, p.slot, m.internals.holder.epoch) == []
+        assert nat.table_ids(t.internals.table, t.internals.rid_hash, p.slot, m.internals.holder.epoch) == []
         for n in (6, 4 * 300):                  # 2 blocks, then 302 (21 chunks)
             m.prepare_append(t, n)
             ops = int(p.c[L.C_OPS])
             before = bytes(p.raw)
-            ids = nat.table_ids(t._t, t._rh, p.slot, m.internals.holder.epoch)
+            ids = nat.table_ids(t.internals.table, t.internals.rid_hash, p.slot, m.internals.holder.epoch)
             assert int(p.c[L.C_OPS]) == ops and bytes(p.raw) == before      # no lock
             p.c[L.C_PURE] = 1                   # (as if a pure process were attached)
             try:
-                assert nat.table_ids(t._t, t._rh, p.slot, m.internals.holder.epoch) == ids
+                assert nat.table_ids(t.internals.table, t.internals.rid_hash, p.slot, m.internals.holder.epoch) == ids
                 assert int(p.c[L.C_OPS]) == ops + 1                          # one hold
-                assert nat.table_ids(t._t, t._rh, p.slot, m.internals.holder.epoch + 1) is None  # stale view
+                assert nat.table_ids(t.internals.table, t.internals.rid_hash, p.slot, m.internals.holder.epoch + 1) is None  # stale view
             finally:
                 p.c[L.C_PURE] = 0
             with p.lock:
-                assert ids == m.internals.holder.refs.table_blocks(t._t)
+                assert ids == m.internals.holder.refs.table_blocks(t.internals.table)
             assert list(t.block_ids) == ids
         assert len(ids) == 302 and len(set(ids)) == 302
-        assert nat.table_ids(t._t, t._rh ^ 1, p.slot, m.internals.holder.epoch) is None       # not its id
-        assert nat.table_ids(t._t + 1, t._rh, p.slot, m.internals.holder.epoch) is None       # no table
-        assert nat.table_ids(-1, t._rh, p.slot, m.internals.holder.epoch) is None
+        assert nat.table_ids(t.internals.table, t.internals.rid_hash ^ 1, p.slot, m.internals.holder.epoch) is None       # not its id
+        assert nat.table_ids(t.internals.table + 1, t.internals.rid_hash, p.slot, m.internals.holder.epoch) is None       # no table
+        assert nat.table_ids(-1, t.internals.rid_hash, p.slot, m.internals.holder.epoch) is None
         with p.lock:
             m.internals.tables.table_index(t)                   # this hold has the claim: not reentrant
-            assert nat.table_ids(t._t, t._rh, p.slot, m.internals.holder.epoch) is None
+            assert nat.table_ids(t.internals.table, t.internals.rid_hash, p.slot, m.internals.holder.epoch) is None
             assert list(t.block_ids) == ids     # (the Python path)
         g = m.create_block_table("gone")
         m.delete_block_table("gone")
-        assert nat.table_ids(g._t, g._rh, p.slot, m.internals.holder.epoch) is None
+        assert nat.table_ids(g.internals.table, g.internals.rid_hash, p.slot, m.internals.holder.epoch) is None
         with pytest.raises(KeyError):
             g.block_ids
         # a chain whose tail is not its last chunk: refused (Python reads it)
-        tail = int(p.t_tail[t._t])
-        p.t_tail[t._t] = int(p.t_head[t._t])
+        tail = int(p.t_tail[t.internals.table])
+        p.t_tail[t.internals.table] = int(p.t_head[t.internals.table])
         try:
-            assert nat.table_ids(t._t, t._rh, p.slot, m.internals.holder.epoch) is None
+            assert nat.table_ids(t.internals.table, t.internals.rid_hash, p.slot, m.internals.holder.epoch) is None
         finally:
-            p.t_tail[t._t] = tail
+            p.t_tail[t.internals.table] = tail
         # a link out of range: refused; the Python path raises
-        head = int(p.t_head[t._t])
+        head = int(p.t_head[t.internals.table])
         link = int(p.chunks["next"][head])
         p.chunks["next"][head] = p.layout.num_chunks + 5
         try:
-            assert nat.table_ids(t._t, t._rh, p.slot, m.internals.holder.epoch) is None
+            assert nat.table_ids(t.internals.table, t.internals.rid_hash, p.slot, m.internals.holder.epoch) is None
             with pytest.raises(shmcache.CorruptPoolError):
                 t.block_ids
         finally:
@@ -358,20 +358,20 @@ def test_the_fused_acquire_counts_only_what_it_takes_and_refuses_a_stale_table()
         hs = b"".join(m.internals.ledger.hashes(tokens + [99] * 4, 4, None))       # 3 cached, then a miss
         hits, misses = int(p.c[L.C_HITS]), int(p.c[L.C_MISSES])
         before = bytes(p.raw)
-        for args in ((t._t, t._rh ^ 1, hs), (t._t + 1, t._rh, hs), (t._t, t._rh, hs[:-1])):
+        for args in ((t.internals.table, t.internals.rid_hash ^ 1, hs), (t.internals.table + 1, t.internals.rid_hash, hs), (t.internals.table, t.internals.rid_hash, hs[:-1])):
             assert nat.acquire(*args, 0.0, 4, p.slot, m.internals.holder.epoch) is None, args
-        assert nat.acquire(t._t, t._rh, hs, 0.0, 4, p.slot, m.internals.holder.epoch + 1) is None
+        assert nat.acquire(t.internals.table, t.internals.rid_hash, hs, 0.0, 4, p.slot, m.internals.holder.epoch + 1) is None
         with p.lock:
-            assert nat.acquire(t._t, t._rh, hs, 0.0, 4, p.slot, m.internals.holder.epoch) is None
+            assert nat.acquire(t.internals.table, t.internals.rid_hash, hs, 0.0, 4, p.slot, m.internals.holder.epoch) is None
         assert_unchanged_but_the_lock(p, before)
         want = src.block_ids
         ops = int(p.c[L.C_OPS])
-        got = nat.acquire(t._t, t._rh, hs, 0.0, 4, p.slot, m.internals.holder.epoch)
+        got = nat.acquire(t.internals.table, t.internals.rid_hash, hs, 0.0, 4, p.slot, m.internals.holder.epoch)
         assert int(p.c[L.C_OPS]) == ops + 1 and got == want
         assert (int(p.c[L.C_HITS]), int(p.c[L.C_MISSES])) == (hits + 3, misses + 1)
         assert t.block_ids == got and t.num_tokens == 12 and p.c[L.C_DIRTY] == 0
         assert [m.blocks[b].ref_count for b in got] == [2, 2, 2]
-        assert nat.acquire(t._t, t._rh, b"", 0.0, 4, p.slot, m.internals.holder.epoch) == []   # nothing to look up
+        assert nat.acquire(t.internals.table, t.internals.rid_hash, b"", 0.0, 4, p.slot, m.internals.holder.epoch) == []   # nothing to look up
         m.delete_block_table("t")
         m.delete_block_table("src")
         assert m.check() == [] and m.free_blocks == 31
@@ -405,22 +405,22 @@ def test_the_fused_lookup_and_add_block_take_the_lock_themselves_and_refuse_what
         before = bytes(p.raw)
         assert nat.lookup(hs, -1.0, p.slot, m.internals.holder.epoch + 1) is None
         assert nat.lookup(hs[:-1], -1.0, p.slot, m.internals.holder.epoch) is None
-        for args in ((t._t, t._rh ^ 1, want[0], 4), (t._t + 1, t._rh, want[0], 4),
-                     (t._t, t._rh, 0, 4), (t._t, t._rh, 32, 4), (t._t, t._rh, want[0], 5),
-                     (t._t, t._rh, want[0], -1), (t._t, t._rh, loose, 4)):
+        for args in ((t.internals.table, t.internals.rid_hash ^ 1, want[0], 4), (t.internals.table + 1, t.internals.rid_hash, want[0], 4),
+                     (t.internals.table, t.internals.rid_hash, 0, 4), (t.internals.table, t.internals.rid_hash, 32, 4), (t.internals.table, t.internals.rid_hash, want[0], 5),
+                     (t.internals.table, t.internals.rid_hash, want[0], -1), (t.internals.table, t.internals.rid_hash, loose, 4)):
             assert nat.add_block(*args, 4, 0.0, p.slot, m.internals.holder.epoch) is None, args
-        assert nat.add_block(t._t, t._rh, want[0], 4, 4, 0.0, p.slot, m.internals.holder.epoch + 1) is None
+        assert nat.add_block(t.internals.table, t.internals.rid_hash, want[0], 4, 4, 0.0, p.slot, m.internals.holder.epoch + 1) is None
         with p.lock:
             assert nat.lookup(hs, -1.0, p.slot, m.internals.holder.epoch) is None
-            assert nat.add_block(t._t, t._rh, want[0], 4, 4, 0.0, p.slot, m.internals.holder.epoch) is None
+            assert nat.add_block(t.internals.table, t.internals.rid_hash, want[0], 4, 4, 0.0, p.slot, m.internals.holder.epoch) is None
         assert_unchanged_but_the_lock(p, before)
         ops = int(p.c[L.C_OPS])
         assert nat.lookup(hs, -1.0, p.slot, m.internals.holder.epoch) == want
         assert int(p.c[L.C_OPS]) == ops + 1 and p.c[L.C_DIRTY] == 0
         assert (int(p.c[L.C_HITS]), int(p.c[L.C_MISSES])) == (hits + 3, misses + 1)
         assert [m.blocks[b].ref_count for b in want] == [0, 0, 0]
-        assert nat.add_block(t._t, t._rh, want[0], 4, 4, 0.0, p.slot, m.internals.holder.epoch) == 0
-        assert nat.add_block(t._t, t._rh, want[0], 3, 4, 0.0, p.slot, m.internals.holder.epoch) == 1
+        assert nat.add_block(t.internals.table, t.internals.rid_hash, want[0], 4, 4, 0.0, p.slot, m.internals.holder.epoch) == 0
+        assert nat.add_block(t.internals.table, t.internals.rid_hash, want[0], 3, 4, 0.0, p.slot, m.internals.holder.epoch) == 1
         assert t.block_ids == [want[0]] * 2 and t.num_tokens == 7
         assert m.blocks[want[0]].ref_count == 2 and m.blocks[want[0]].token_count == 3
         assert int(p.c[L.C_NUM_FREE]) == free - 1 and p.c[L.C_DIRTY] == 0
@@ -458,7 +458,7 @@ def test_the_fused_new_table_takes_the_lock_itself_and_refuses_what_python_raise
         t = nat.new_table(raw, h, p.slot, m.internals.holder.epoch)
         assert t is not None and int(p.c[L.C_OPS]) == ops + 1
         assert int(p.c[L.C_NUM_TABLES]) == n + 1 and p.c[L.C_DIRTY] == 0
-        assert m.get_block_table("a")._t == t
+        assert m.get_block_table("a").internals.table == t
         before = bytes(p.raw)
         assert nat.new_table(raw, h, p.slot, m.internals.holder.epoch) is None          # taken
         raw_b, h_b = rid_key("b")
@@ -495,7 +495,7 @@ def test_the_fused_delete_table_takes_the_lock_itself_and_refuses_what_python_ra
             assert nat.delete_table(*rid_key("a"), p.slot, m.internals.holder.epoch) is None
         assert_unchanged_but_the_lock(p, before)
         ops, n = int(p.c[L.C_OPS]), int(p.c[L.C_NUM_TABLES])
-        assert nat.delete_table(*rid_key("a"), p.slot, m.internals.holder.epoch) == t._t
+        assert nat.delete_table(*rid_key("a"), p.slot, m.internals.holder.epoch) == t.internals.table
         assert int(p.c[L.C_OPS]) == ops + 1 and int(p.c[L.C_NUM_TABLES]) == n - 1
         assert p.c[L.C_DIRTY] == 0 and m.get_block_table("a") is None
         assert m.free_blocks == 31 and m.check() == []

@@ -43,7 +43,7 @@ LAYERS = [
     ("system/: the platform seam, the BLAS binding",
      "system.platform system.blas system.blas_elf system.blas_find system.blas_load"),
     ("shm/: the byte map, the C parameter table, leaf structures",
-     "shm.layout shm.hot_params_gen shm.loosemap shm.table_chains"),
+     "shm.layout shm.counters shm.hot_params_gen shm.loosemap shm.table_chains"),
     ("shm/: the segment file, the pool lock, the hot operations",
      "shm.segment shm.lock shm.hot_ops"),
     ("shm/: the shared structures",

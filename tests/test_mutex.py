@@ -139,7 +139,7 @@ def _state(m):
     by construction (seeds, times, lock bookkeeping)."""
     p = m.pool
     b = p.blocks
-    c = p.counters.copy()
+    c = p.counter_array.copy()
     c[LOCK_COUNTERS] = 0
     return (b["ref_count"].tobytes(), b["prev"].tobytes(), b["next"].tobytes(),
             b["flags"].tobytes(), b["token_count"].tobytes(), b["gen"].tobytes(),
@@ -222,13 +222,13 @@ def test_the_c_fast_paths_leave_the_same_state_as_the_python_ones():
 def test_the_c_fast_path_refuses_a_stale_view_and_a_dirty_pool(make_pool):
     mgr = make_pool(max_blocks=16)
     nat, p = mgr.pool.native, mgr.pool
-    before = p.counters.copy()
+    before = p.counter_array.copy()
     assert nat.alloc(1, p.slot, mgr.internals.holder.epoch + 1, mgr.internals.holder.refs.loose.buf) is None   # stale epoch
     p.c[L.C_DIRTY] = 1
     assert nat.alloc(1, p.slot, mgr.internals.holder.epoch, mgr.internals.holder.refs.loose.buf) is None       # dirty
     assert nat.free([1], p.slot, mgr.internals.holder.epoch, mgr.internals.holder.refs.loose.buf) is None
     p.c[L.C_DIRTY] = 0
-    after = p.counters.copy()
+    after = p.counter_array.copy()
     for c in (L.C_OPS, L.C_TURN_NEXT, L.C_TURN_NOW):    # (the holds' bookkeeping)
         before[c] = after[c] = 0
     assert (before == after).all() and len(mgr.internals.holder.refs.loose) == 0

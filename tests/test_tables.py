@@ -261,7 +261,7 @@ def test_creator_context_manager_destroys(pool_name):
 def _logical(m, t):
     p = m.pool
     return (list(t.block_ids), t.num_tokens, [p.b_ref[b] for b in range(m.max_blocks)],
-            m.free_blocks, [int(x) for x in p.counters[[L.C_HITS, L.C_MISSES, L.C_TOKENS]]])
+            m.free_blocks, [int(x) for x in p.counter_array[[L.C_HITS, L.C_MISSES, L.C_TOKENS]]])
 
 
 def test_acquire_into_a_table_is_acquire_then_add(make_pool):

@@ -81,13 +81,11 @@ class PoolAdmin:
 
     def l2_counters(self) -> Dict[str, int]:
         """The pool-wide L2 counters (``layout.L2_COUNTERS``), summed over every process."""
-        c = self.pool.c
-        return {name: int(c[i]) for name, i in L.C_L2.items()}
+        return self.pool.counters.l2()
 
     def reset_stats(self) -> None:
         with self.pool.lock:
-            for c in (L.C_HITS, L.C_MISSES, L.C_COW, L.C_EVICTIONS):
-                self.pool.c[c] = 0
+            self.pool.counters.reset_stats()
 
     def reset_prefix_cache(self) -> bool:
         """Drop the whole prefix cache; False (and nothing done) while blocks are in use."""
@@ -99,8 +97,7 @@ class PoolAdmin:
                 return False
             self.ledger.uncache_all()
             self.ledger.drop_payloads()           # as the seed: every cache_data = None
-            for c in (L.C_HITS, L.C_MISSES, L.C_EVICTIONS):
-                self.pool.c[c] = 0
+            self.pool.counters.reset_stats(cow=False)
             return True
 
     def clear(self) -> None:
@@ -112,9 +109,9 @@ class PoolAdmin:
                 release_slot_holdings(p, self.holder.refs, s)
             self.ledger.uncache_all()
             self.ledger.drop_payloads()
-            p.c[L.C_EPOCH] += 1
+            p.counters.bump_epoch()
             self.reset_stats()
-            p.c[L.C_TOKENS] = 0
+            p.counters.tokens = 0
             self.ledger.sync()
 
     # ---- shmcache's own: the invariant check, dead holders, who holds what
@@ -147,7 +144,7 @@ class PoolAdmin:
                 res = max(0, int(p.slots["reserved"][s]))
                 out.append({"slot": s, "pid": int(p.slots["pid"][s]),
                             "start_time": float(p.slots["start_time"][s]),
-                            "alive": p.slot_alive(s), "tables": len(tabs),
+                            "alive": p.slot_ops.slot_alive(s), "tables": len(tabs),
                             "table_blocks": int(sum(p.t_len[t] for t in tabs)),
                             "loose_blocks": int(p.s_count[s]) - res, "reserved_blocks": res})
             return out

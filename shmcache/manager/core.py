@@ -171,10 +171,10 @@ class BlockLedger:
         """The seed's statistics, from a scan of the records."""
         with self.pool.lock:
             s = recovery.scan_stats(self.pool)
-            c = self.pool.c
+            k = self.pool.counters
             return PoolStats(s["total_blocks"], s["allocated_blocks"], s["free_blocks"],
-                             s["shared_blocks"], s["total_tokens_cached"], c[L.C_HITS],
-                             c[L.C_MISSES], c[L.C_COW], c[L.C_EVICTIONS],
+                             s["shared_blocks"], s["total_tokens_cached"], k.hits,
+                             k.misses, k.cow, k.evictions,
                              **{k: s[k] for k in PoolStats.CAPACITY})
 
     # ============================================= lock-held primitive steps
@@ -184,7 +184,7 @@ class BlockLedger:
         b = self.free_queue.popleft_id()
         if p.b_flags[b] & L.FLAG_CACHED:
             self.index.remove(b)
-            p.c[L.C_EVICTIONS] += 1
+            p.counters.count_eviction()
         p.b_ref[b] = 1
         p.b_tok[b] = 0
         p.b_last[b] = p.now()
@@ -195,17 +195,17 @@ class BlockLedger:
         """Whether ``n`` blocks are free, after reclaiming dead holders and
         taking blocks out of reserves where they are not (lock held)."""
         p = self.pool
-        free = p.c[L.C_NUM_FREE]
+        free = p.counters.num_free
         if not 0 <= free < self.max_blocks:
             raise p.corrupt(f"the free-block counter is {free}, outside "
                             f"[0, {self.max_blocks})")
         if free >= n:
             return True
         self.reclaim_locked()
-        free = p.c[L.C_NUM_FREE]
+        free = p.counters.num_free
         if free < n:
             self.reserves.take_from_reserves(n - free)
-        return p.c[L.C_NUM_FREE] >= n
+        return p.counters.num_free >= n
 
     def take_ref(self, b: int) -> None:
         """One more reference on ``b``, held loose by this process (lock held)."""
@@ -292,7 +292,7 @@ class BlockLedger:
         if num_blocks >= self.max_blocks:
             # more than the pool has at all: refused before anything is sized by it
             raise OutOfBlocksError(f"Cannot allocate {num_blocks} blocks, only "
-                                   f"{p.c[L.C_NUM_FREE]} available (the pool has "
+                                   f"{p.counters.num_free} available (the pool has "
                                    f"{self.max_blocks - 1})")
         if num_blocks and not p.lock.unusable:
             ids = self.call_native(p.ops.alloc, num_blocks)
@@ -302,7 +302,7 @@ class BlockLedger:
             self.sync()
             if not self.ensure_free(num_blocks):
                 raise OutOfBlocksError(f"Cannot allocate {num_blocks} blocks, only "
-                                       f"{p.c[L.C_NUM_FREE]} available")
+                                       f"{p.counters.num_free} available")
             self.holder.refs.need(num_blocks)
             ids = alloc_loose(self.holder, self.pop_free, num_blocks)
         return [SharedBlock(self, b) for b in ids]
@@ -315,7 +315,7 @@ class BlockLedger:
                 return False
             self.index.remove(b)
             self.drop_payloads((b,))       # as the seed: cache_data = None
-            p.c[L.C_EVICTIONS] += 1
+            p.counters.count_eviction()
             return True
 
     def free_block(self, block_id: int) -> bool:
@@ -415,7 +415,7 @@ class BlockLedger:
             for b in lru:
                 if p.b_flags[b] & L.FLAG_CACHED:
                     self.index.remove(b)
-                    p.c[L.C_EVICTIONS] += 1
+                    p.counters.count_eviction()
             self.drop_payloads(lru)        # as the seed: cache_data = None
             if lru:
                 logger.info(f"Evicted {len(lru)} LRU blocks from cache")
@@ -431,7 +431,7 @@ class BlockLedger:
     @property
     def free_blocks(self) -> int:
         """Number of free blocks (those in reserves too, see ``set_reserve``)."""
-        return self.pool.c[L.C_NUM_FREE] + reserved_total(self.pool)
+        return self.pool.counters.num_free + reserved_total(self.pool)
 
     def set_reserve(self, n: int) -> None:
         """Keep up to ``n`` blocks this manager frees for its own next

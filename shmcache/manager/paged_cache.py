@@ -366,8 +366,9 @@ class PagedCacheManager:
         pool, this process's ``Holder`` (references, epoch, table maps),
         the ``BlockLedger``, ``BlockTables``, ``PrefixCache``, ``KVArena``
         and ``PoolAdmin``. Tests use it to reach the primitives and the C
-        fast paths' arguments (``internals.holder.epoch``); code in
-        shmcache/ calls the owners it was given instead."""
+        fast paths' arguments (``internals.holder.epoch``; a table's record
+        is ``SharedBlockTable.internals``); code in shmcache/ calls the
+        owners it was given instead."""
         return self._internals
 
     @property

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
-from ..shm import layout as L
 from ..shm.blocks import BlockHash, BlockTable, CacheBlock, compute_block_hash, token_bytes
 from .views import SharedBlock, SharedBlockTable
 
@@ -48,7 +47,8 @@ class PrefixCache:
         with self.pool.lock:
             self.ledger.sync()
             b = self.ledger.index.find(bytes(block_hash))
-            self.pool.c[L.C_HITS if b >= 0 else L.C_MISSES] += 1
+            k = self.pool.counters
+            k.count_hits() if b >= 0 else k.count_misses()
             return SharedBlock(self.ledger, b) if b >= 0 else None
 
     def cache_full_blocks(self, blocks: List[CacheBlock], token_ids: List[int],
@@ -110,10 +110,10 @@ class PrefixCache:
         NOTE: called once the operation can no longer fail, so that one that
         raises (no room for the references) leaves the statistics as well as
         the pool unchanged."""
-        c = self.pool.c
-        c[L.C_HITS] += len(found)
+        k = self.pool.counters
+        k.count_hits(len(found))
         if len(found) < len(hashes):
-            c[L.C_MISSES] += 1
+            k.count_misses()
 
     def get_computed_blocks(self, token_ids: List[int],
                             extra_keys: Optional[Tuple[Any, ...]] = None
@@ -233,7 +233,8 @@ class PrefixCache:
         with self.pool.lock:
             self.ledger.sync()
             b = self.ledger.index.find(hashes[-1]) if hashes else -1
-            self.pool.c[L.C_HITS if b >= 0 else L.C_MISSES] += 1
+            k = self.pool.counters
+            k.count_hits() if b >= 0 else k.count_misses()
             if b < 0:
                 return None
             self.pool.b_last[b] = self.pool.now()

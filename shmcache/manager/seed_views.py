@@ -18,7 +18,6 @@ import numpy as np
 from ..shm.blocks import CacheStats, PoolStats
 from ..errors import OutOfBlocksError
 from ..shm.freelist import SharedFreeQueue
-from ..shm.layout import C_COW, C_EVICTIONS, C_HITS, C_MISSES
 from .views import SharedBlock
 
 
@@ -151,8 +150,9 @@ class BlocksView:
         return (SharedBlock(self._m, j) for j in range(len(self)))
 
 
-_COUNTERS = {"cache_hits": C_HITS, "cache_misses": C_MISSES,
-             "cow_copies": C_COW, "evictions": C_EVICTIONS}
+# the seed's name -> the pool counter's (``counters.Counters``)
+_COUNTERS = {"cache_hits": "hits", "cache_misses": "misses",
+             "cow_copies": "cow", "evictions": "evictions"}
 _DERIVED = ("total_blocks", "allocated_blocks", "free_blocks", "shared_blocks",
             "total_tokens_cached") + PoolStats.CAPACITY
 
@@ -166,14 +166,14 @@ class SharedStats(CacheStats):
 
     def __getattribute__(self, name):
         if name in _COUNTERS:
-            return object.__getattribute__(self, "_m").pool.c[_COUNTERS[name]]
+            return getattr(object.__getattribute__(self, "_m").pool.counters, _COUNTERS[name])
         if name in _DERIVED:
             return getattr(object.__getattribute__(self, "_m").scan_stats(), name)
         return object.__getattribute__(self, name)
 
     def __setattr__(self, name, value) -> None:
         if name in _COUNTERS:
-            self._m.pool.c[_COUNTERS[name]] = int(value)
+            setattr(self._m.pool.counters, _COUNTERS[name], int(value))
         else:
             raise AttributeError(f"{name} is derived from the pool's state and cannot be set")
 

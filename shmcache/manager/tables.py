@@ -115,7 +115,7 @@ class BlockTables:
         rec["length"] = rec["num_tokens"] = 0
         self.pool.tindex.insert(t, h)
         p.t_state[t] = 1           # commit
-        p.c[L.C_NUM_TABLES] += 1
+        p.counters.table_created()
         self.holder.tcache[t] = (h, None, {})
         self.holder.chains.forget(t)
         return t
@@ -391,7 +391,7 @@ class BlockTables:
         self.ledger.copy_payload(old, new)
         p.kw[g] = new               # commit: the table now holds the copy
         self.ledger.release(old)
-        p.c[L.C_COW] += 1
+        p.counters.count_cow()
         return new
 
     def _append_plan(self, t: int, n: int) -> Tuple[list, int]:
@@ -473,7 +473,7 @@ class BlockTables:
             cow, new = self._append_plan(t, num_new_tokens)
             if not self.ledger.ensure_free(len(cow) + new):
                 raise OutOfBlocksError(f"prepare_append needs {len(cow) + new} free blocks, "
-                                       f"{p.c[L.C_NUM_FREE]} available")
+                                       f"{p.counters.num_free} available")
             self.holder.refs.need_table(t, new)
             for g in cow:
                 self._cow_at(g)
@@ -580,7 +580,7 @@ class BlockTables:
             self.pool.b_tok[new] = self.pool.b_tok[src]
             kv.copy_block(self.pool, src, new)
             self.ledger.copy_payload(src, new)
-            self.pool.c[L.C_COW] += 1
+            self.pool.counters.count_cow()
             return SharedBlock(self.ledger, new)
 
     def allocate_blocks_for_tokens(self, num_tokens: int) -> List[CacheBlock]:

@@ -6,7 +6,7 @@ shared memory, so two processes looking at block 7 see the same thing.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..shm.blocks import BlockTable, CacheBlock
 from ..shm.layout import FLAG_NULL
@@ -182,6 +182,13 @@ class TableBlockIds(list):
         return list(self)
 
 
+class TableRecord(NamedTuple):
+    """Where a ``SharedBlockTable`` lives in its pool (``SharedBlockTable.
+    internals``): not API."""
+    table: int      # the table's record: its index in the pool's table array (``pool.tables``)
+    rid_hash: int   # its request id's hash: the record is this table while they match
+
+
 class SharedBlockTable(BlockTable):
     """A ``BlockTable`` that is a live view of a table in shared memory.
 
@@ -202,6 +209,15 @@ class SharedBlockTable(BlockTable):
         object.__setattr__(self, "_rh", rid_hash)
 
     request_id = property(lambda self: self._rid)
+
+    @property
+    def internals(self) -> TableRecord:
+        """The internal seam for tests and tools (not API, no stability
+        promised), as ``PagedCacheManager.internals`` is: the table's record
+        and its request id's hash, the arguments the C table operations take
+        (``pool.ops.table_ids(rec.table, rec.rid_hash, slot, epoch)``).
+        Code in shmcache/ uses ``record_in`` instead."""
+        return TableRecord(self._t, self._rh)
 
     def record_in(self, pool):
         """``(table record, request id hash)`` if this is a view of a table

@@ -1,6 +1,7 @@
 """One mapped pool and what keeps it whole across crashes.
 
-``pool.Pool`` maps a segment and hands out named views of its regions.
+``pool.Pool`` maps a segment and hands out named views of its regions
+(``Pool.views``, a ``MappedViews``); its slot is ``Pool.slot_ops``.
 Every process that attaches holds one slot; ``holder.Holder`` is this
 process's side of it (its slot, references, loose map, epoch), and
 ``reserve.Reserves`` its per-process stock of free blocks taken in batches.

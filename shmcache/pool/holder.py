@@ -34,7 +34,7 @@ class Holder:
     def __init__(self, pool) -> None:
         self.pool = pool
         self.refs = RefStore(pool)
-        self.epoch: int = pool.c[L.C_EPOCH]
+        self.epoch: int = pool.counters.epoch
         # table -> (rid hash, (head, tail, length) when read, {block: word})
         self.tcache: Dict[int, Tuple[int, Optional[tuple], dict]] = {}
         self.chains = TableChains()
@@ -48,22 +48,22 @@ class Holder:
     # ================================================================ the epoch
     def current(self) -> bool:
         """Whether the loose map is current (read without the lock)."""
-        return self.epoch == self.pool.c[L.C_EPOCH]
+        return self.epoch == self.pool.counters.epoch
 
     def sync(self) -> None:
         """Re-read the loose map if another process moved this slot's list
         (lock held; the lock has checked that the pool is usable)."""
         p = self.pool
-        if p.c[L.C_EPOCH] != self.epoch:
+        epoch = p.counters.epoch
+        if epoch != self.epoch:
             self.refs.resync()
-            self.epoch = p.c[L.C_EPOCH]
+            self.epoch = epoch
 
     def bump_epoch(self) -> None:
         """Tell every other holder to re-read its map (lock held): another
         slot's list moved. This holder's own map is still current."""
         p = self.pool
-        p.c[L.C_EPOCH] += 1
-        self.epoch = p.c[L.C_EPOCH]
+        self.epoch = p.counters.bump_epoch()
 
     # ========================================================= loose references
     def loose_held(self, b: int) -> int:

@@ -28,6 +28,7 @@ from ..shm import claims, segment
 from . import recovery, reserve
 from ..shm.slots import UNRECORDED_OWNER_S, lock_owner_problem, thread_status
 from ..errors import CorruptPoolError, IncompatiblePoolError
+from ..shm.counters import Counters
 from ..shm.lock import MUTEX_MAP_SIZE, open_mutex
 from ..system.platform import byte_held_by_other
 from .pool import MappedViews, block_usage, prefix_hit_rate  # noqa: F401 (named here too)
@@ -108,8 +109,10 @@ class PoolView:
             return
         lay = self.layout = L.layout_from_header(h, self.size, f"pool {self.name!r}")
         self.mm = mmap.mmap(self.fd, lay.arena_off, mmap.MAP_SHARED, mmap.PROT_READ)
-        self.counters = np.frombuffer(self.mm, np.int64, L.NUM_COUNTERS, lay.counters_off)
-        self.c = self.counters
+        self.counter_array = np.frombuffer(self.mm, np.int64, L.NUM_COUNTERS, lay.counters_off)
+        self.c = self.counter_array
+        # the same by name, over the read-only mapping: read, never written
+        self.counters = Counters.from_address(self.counter_array.ctypes.data)
         self.slots = np.frombuffer(self.mm, L.SLOT_DTYPE, lay.max_slots, lay.slots_off)
         self.blocks = np.frombuffer(self.mm, L.BLOCK_DTYPE, lay.max_blocks + 2, lay.blocks_off)
         self.tables = np.frombuffer(self.mm, L.TABLE_DTYPE, lay.max_tables, lay.tables_off)
@@ -164,7 +167,7 @@ class PoolView:
         return int(np.frombuffer(self.mm, np.uint32, 1, L.MUTEX_OFF)[0])
 
     def recorded_holder_pid(self):
-        s = int(self.c[L.C_HOLDER])
+        s = int(self.counters.holder)
         if 0 <= s < self.layout.max_slots and self.slots["state"][s] == 1 and self.slot_alive(s):
             return int(self.slots["pid"][s])
         return None
@@ -196,10 +199,10 @@ class PoolView:
 
     def stats(self) -> dict:
         s = recovery.scan_stats(self)
-        c = self.c
-        hits, misses = int(c[L.C_HITS]), int(c[L.C_MISSES])
+        k = self.counters
+        hits, misses = int(k.hits), int(k.misses)
         s.update(cache_hits=hits, cache_misses=misses, prefix_hit_rate=prefix_hit_rate(hits, misses),
-                 cow_copies=int(c[L.C_COW]), evictions=int(c[L.C_EVICTIONS]))
+                 cow_copies=int(k.cow), evictions=int(k.evictions))
         s["usage"] = s["allocated_blocks"] / s["total_blocks"]
         n = self.layout.max_blocks
         s.update(block_usage(self.blocks["ref_count"][:n], self.blocks["flags"][:n]))
@@ -208,7 +211,7 @@ class PoolView:
     def l2_counters(self) -> dict:
         """The pool-wide L2 counters (``layout.L2_COUNTERS``: every process's
         L2 tier adds to them), as ``PagedCacheManager.l2_counters``."""
-        return {name: int(self.c[i]) for name, i in L.C_L2.items()}
+        return self.counters.l2()
 
     def holdings(self) -> list:
         out = []
@@ -231,13 +234,12 @@ class PoolView:
                  "owner_alive": self.owner_alive(), "created_at": self.created_at,
                  "size_bytes": self.size, "consistent_snapshot": consistent}
             d.update(self.stats())
-            c = self.c
-            d.update(block_tables=int(c[L.C_NUM_TABLES]), ops=int(c[L.C_OPS]),
-                     recoveries=int(c[L.C_RECOVERIES]), reclaimed_refs=int(c[L.C_RECLAIMED]),
-                     max_lock_wait_s=int(c[L.C_LOCK_WAIT_NS]) / 1e9,
-                     lock_turns=int(c[L.C_TURN_NEXT]),
-                     lock_queue=max(0, int(c[L.C_TURN_NEXT]) - int(c[L.C_TURN_NOW])),
-                     dirty=bool(c[L.C_DIRTY]), free_ref_chunks=int(c[L.C_FREE_REFS]))
+            k = self.counters
+            d.update(block_tables=int(k.num_tables), ops=int(k.ops),
+                     recoveries=int(k.recoveries), reclaimed_refs=int(k.reclaimed),
+                     max_lock_wait_s=int(k.lock_wait_ns) / 1e9,
+                     lock_turns=int(k.turn_next), lock_queue=k.lock_queue,
+                     dirty=bool(k.dirty), free_ref_chunks=int(k.free_refs))
             if not consistent:
                 # held past the wait: say by whom, and whether it can be a hold
                 w = self.lock_word()
@@ -267,22 +269,21 @@ class PoolView:
             recovery.scan_stats of the copy, "tables": int, "holders":
             [holdings]}.
         """
-        lay, c = self.layout, self.c
+        lay, k = self.layout, self.counters
         deadline = time.monotonic() + settle
         while True:
-            d0, o0 = int(c[L.C_DIRTY]), int(c[L.C_OPS])
+            d0, o0 = int(k.dirty), int(k.ops)
             data = bytes(self.mm[:lay.arena_off])
-            d1, o1 = int(c[L.C_DIRTY]), int(c[L.C_OPS])
+            d1, o1 = int(k.dirty), int(k.ops)
             stable = o0 == o1 and d0 == d1 == 0
             if not stable and o0 == o1 and d0 == d1:
                 time.sleep(0.02)
-                stable = (int(c[L.C_OPS]) == o0 and int(c[L.C_DIRTY]) == d0
+                stable = (int(k.ops) == o0 and int(k.dirty) == d0
                           and bytes(self.mm[:lay.arena_off]) == data)
             if stable or time.monotonic() >= deadline:
                 break
             time.sleep(0.001)
-        snap = _Snapshot(self.name, lay, bytearray(data))
-        snap.map_views(arena=False)
+        snap = snapshot_views(self.name, lay, bytearray(data))
         problems = recovery.check(snap)
         # what a copy cannot show: a claim or a lock word that does not move
         problems += self.stuck_claims()
@@ -299,8 +300,8 @@ class PoolView:
                             "alive": self.slot_alive(s), "tables": int(mine.size),
                             "table_blocks": int(t["length"][mine].sum()),
                             **_loose_and_reserved(snap.slots, s)})
-        return {"problems": problems, "dirty": bool(snap.c[L.C_DIRTY]), "stable": stable,
-                "stats": recovery.scan_stats(snap), "tables": int(snap.c[L.C_NUM_TABLES]),
+        return {"problems": problems, "dirty": bool(snap.counters.dirty), "stable": stable,
+                "stats": recovery.scan_stats(snap), "tables": int(snap.counters.num_tables),
                 "holders": holders}
 
     def summary(self) -> dict:
@@ -310,13 +311,13 @@ class PoolView:
         if self.layout is not None:
             n = self.layout.max_blocks
             d.update(max_blocks=n, block_size=self.layout.block_size,
-                     allocated_blocks=n - int(self.c[L.C_NUM_FREE]) - reserve.reserved_total(self),
+                     allocated_blocks=n - int(self.counters.num_free) - reserve.reserved_total(self),
                      attached=len(self.live_slots()))
             d["usage"] = d["allocated_blocks"] / n
         return d
 
     def close(self) -> None:
-        for k in ("counters", "c", "slots", "blocks", "tables"):
+        for k in ("counter_array", "counters", "c", "slots", "blocks", "tables"):
             self.__dict__.pop(k, None)
         if self._lock is not None:
             self._lock.release()
@@ -340,15 +341,12 @@ class PoolView:
         self.close()
 
 
-class _Snapshot(MappedViews):
-    """A private copy of a pool's metadata with a Pool's views over it, for
-    ``recovery.check``; corruption met reading it is only reported."""
-
-    def __init__(self, name: str, lay: L.Layout, data: bytearray) -> None:
-        self.name, self.layout, self.mm = name, lay, data
-
-    def corrupt(self, what: str) -> CorruptPoolError:
-        return CorruptPoolError(f"pool {self.name!r} is corrupt: {what}")
+def snapshot_views(name: str, lay: L.Layout, data: bytearray) -> MappedViews:
+    """A Pool's views over a private copy of a pool's metadata (no arena),
+    for ``recovery.check``: corruption met reading it is only reported."""
+    def corrupt(what: str) -> CorruptPoolError:
+        return CorruptPoolError(f"pool {name!r} is corrupt: {what}")
+    return MappedViews(data, lay, corrupt, arena=False)
 
 
 def removal_verdict(view: PoolView):

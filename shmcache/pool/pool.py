@@ -1,8 +1,10 @@
 """A mapped pool segment: creation, attaching, the views every module uses.
 
-``Pool`` owns the file descriptor, the mapping and one slot in the slot table
-(the identity under which this manager holds references; claiming it and
-telling live slots from dead ones is ``slots.SlotOps``, a base of ``Pool``).
+``Pool`` owns the file descriptor and the mapping, and is composed of its
+parts, each one object owning its state: ``views`` (``MappedViews``, below:
+the named views of the segment's regions), ``slot_ops`` (``slots.SlotOps``:
+this manager's slot in the slot table, the identity under which it holds
+references, and telling live slots from dead ones), ``lock`` and ``ops``.
 Here: creating and initialising a segment, attaching, mapping the views,
 taking a slot (reclaiming dead ones when none is free), the repair when the
 lock finds the pool dirty, and unmapping. It knows nothing of the
@@ -24,10 +26,11 @@ from . import recovery
 from .reclaim import reclaim_dead_slots
 from .reserve import reserved_total
 from ..shm.hot_ops import NativeOps, ReferenceOps
+from ..shm.counters import Counters
 from ..shm.index import OpenIndex
 from ..errors import CorruptPoolError, PoolClosedError
 from ..shm.lock import PoolLock, open_hot
-from ..shm.slots import SlotOps, live_pools, liveness_fd, process_start_time
+from ..shm.slots import SlotOps, live_pools, process_start_time
 
 logger = logging.getLogger("shmcache.manager.paged_cache")
 
@@ -76,30 +79,39 @@ def _words(a: Any) -> Any:
 
 class MappedViews:
     """The segment's structures as numpy arrays and memoryviews over one
-    buffer (``map_views``): what ``Pool`` works on, and what a snapshot
+    buffer: what ``Pool`` works on (``Pool.views``), and what a snapshot
     (``inspect_pool.PoolView.check``: a private copy of the metadata, read
-    only by ``recovery.check``) builds over its copy. ``corrupt`` is the
-    subclass's (the index views report corruption through it).
+    only by ``recovery.check``) builds over its copy.
+
+    It owns the views (``NAMES``) and drops them all at once (``release``);
+    its collaborators, given to the constructor: the buffer (``mm``: the
+    segment, or a private copy of its metadata), the ``layout`` describing
+    it, and ``corrupt`` (the error factory the index views report
+    corruption through: ``Pool.corrupt``, or a snapshot's). Without
+    ``arena`` the K/V arena is left unmapped (``arena`` is None).
 
     Only the counters have named accessors (``gauges``, the properties
     below); the arrays are the owner modules' (layout.py's byte map).
     """
 
-    name: str
-    layout: L.Layout
-    mm: Any
-    corrupt: Any
-    arena: Any          # the K/V arena array, or None when not mapped
+    # every view this object owns, in the order they are built (``Pool``
+    # binds the same names to the same objects: see ``Pool.bind_views``)
+    NAMES = ("raw", "header", "counter_array", "c", "counters", "slots", "blocks", "hidx", "chunks",
+             "kmat", "kw", "tables", "tidx", "b_ref", "b_prev", "b_next", "b_flags",
+             "b_tok", "b_last", "b_gen", "t_state", "t_owner", "t_head", "t_tail",
+             "t_len", "t_tok", "t_rhash", "t_claim", "s_head", "s_count", "hhome",
+             "hindex", "tindex", "HEAD", "TAIL", "arena")
 
-    def map_views(self, arena: bool = True) -> None:
-        """Build the views over ``self.mm`` (the segment, or a private copy
-        of its metadata) that ``self.layout`` describes; without ``arena``
-        the K/V arena is left unmapped (``arena`` is None)."""
-        lay, mm = self.layout, self.mm
+    def __init__(self, mm: Any, layout: L.Layout, corrupt: Any, arena: bool = True) -> None:
+        self.mm = mm
+        self.layout = layout
+        self.corrupt = corrupt
+        lay = layout
         self.raw = memoryview(mm)
         self.header = np.frombuffer(mm, L.HEADER_DTYPE, 1, 0)
-        self.counters = np.frombuffer(mm, np.int64, L.NUM_COUNTERS, lay.counters_off)
-        self.c = _words(self.counters)
+        self.counter_array = np.frombuffer(mm, np.int64, L.NUM_COUNTERS, lay.counters_off)
+        self.c = _words(self.counter_array)     # the counter words (``C_*``)
+        self.counters = Counters.from_buffer(mm, lay.counters_off)   # the same, by name
         self.slots = np.frombuffer(mm, L.SLOT_DTYPE, lay.max_slots, lay.slots_off)
         self.blocks = np.frombuffer(mm, L.BLOCK_DTYPE, lay.max_blocks + 2, lay.blocks_off)
         self.hidx = np.frombuffer(mm, np.int32, lay.hash_capacity, lay.hash_off)
@@ -134,41 +146,26 @@ class MappedViews:
         self.hhome = lambda e: int.from_bytes(raw[boff + e * isz: boff + e * isz + 8], "little")
         self.hindex = OpenIndex(_words(self.hidx), self.hhome,
                                 lambda e, key: raw[boff + e * isz: boff + e * isz + 16] == key,
-                                lay.max_blocks, self.corrupt, "prefix index")
+                                lay.max_blocks, corrupt, "prefix index")
         rids, rhash = self.tables["request_id"], self.tables["rid_hash"]
         self.tindex = OpenIndex(_words(self.tidx), lambda e: int(rhash[e]),
                                 lambda e, key: rids[e] == key,
-                                lay.max_tables, self.corrupt, "table index")
+                                lay.max_tables, corrupt, "table index")
         self.HEAD = lay.max_blocks
         self.TAIL = lay.max_blocks + 1
-        h = self.header[0]
-        self.created_at = float(h["created_at"])
-        self.seed = bytes(h["seed"])
+        self.arena: Any = None      # the K/V arena array, or None when not mapped
         if lay.num_layers and arena:
             np_dtype = L.KV_DTYPES[lay.dtype].np_dtype
             self.arena = np.frombuffer(mm, np_dtype, int(np.prod(lay.arena_shape)),
                                        lay.arena_off).reshape(lay.arena_shape)
-        else:
-            self.arena = None
 
-    # ================================================================ counters
-    @property
-    def num_free(self) -> int:
-        """Blocks in the free list (reserved ones not counted: ``gauges``)."""
-        return int(self.c[L.C_NUM_FREE])
+    def release(self) -> None:
+        """Drop every view (``NAMES``), so that the buffer can be closed once
+        no caller holds one of its own."""
+        for k in self.NAMES:
+            setattr(self, k, None)
 
-    @property
-    def num_tables(self) -> int:
-        return int(self.c[L.C_NUM_TABLES])
-
-    @property
-    def epoch(self) -> int:
-        return int(self.c[L.C_EPOCH])
-
-    @property
-    def dirty(self) -> bool:
-        return bool(self.c[L.C_DIRTY])
-
+    # ================================================================ gauges
     def gauges(self) -> dict:
         """The pool's figures by name for ``/metrics`` and the CLI, read
         without the lock (statistics: each counter is one aligned word,
@@ -177,25 +174,79 @@ class MappedViews:
         reserved_blocks; tables, hits, misses, prefix_hit_rate, cow,
         evictions, ops (lock holds), recoveries, reclaimed_refs,
         lock_wait_max_s, lock_turns, lock_queue, dirty, free_ref_chunks."""
-        c, n = self.c, self.layout.max_blocks
+        k, n = self.counters, self.layout.max_blocks
         b = self.blocks
         g = block_usage(b["ref_count"][:n], b["flags"][:n])
-        hits, misses = int(c[L.C_HITS]), int(c[L.C_MISSES])
-        g.update(free_list_blocks=int(c[L.C_NUM_FREE]), reserved_blocks=reserved_total(self),
-                 tables=int(c[L.C_NUM_TABLES]), hits=hits, misses=misses,
-                 prefix_hit_rate=prefix_hit_rate(hits, misses), cow=int(c[L.C_COW]),
-                 evictions=int(c[L.C_EVICTIONS]), ops=int(c[L.C_OPS]),
-                 recoveries=int(c[L.C_RECOVERIES]), reclaimed_refs=int(c[L.C_RECLAIMED]),
-                 lock_wait_max_s=int(c[L.C_LOCK_WAIT_NS]) / 1e9,
-                 lock_turns=int(c[L.C_TURN_NEXT]),
-                 lock_queue=max(0, int(c[L.C_TURN_NEXT]) - int(c[L.C_TURN_NOW])),
-                 dirty=bool(c[L.C_DIRTY]), free_ref_chunks=int(c[L.C_FREE_REFS]))
+        hits, misses = int(k.hits), int(k.misses)
+        g.update(free_list_blocks=int(k.num_free), reserved_blocks=reserved_total(self),
+                 tables=int(k.num_tables), hits=hits, misses=misses,
+                 prefix_hit_rate=prefix_hit_rate(hits, misses), cow=int(k.cow),
+                 evictions=int(k.evictions), ops=int(k.ops),
+                 recoveries=int(k.recoveries), reclaimed_refs=int(k.reclaimed),
+                 lock_wait_max_s=int(k.lock_wait_ns) / 1e9,
+                 lock_turns=int(k.turn_next), lock_queue=k.lock_queue,
+                 dirty=bool(k.dirty), free_ref_chunks=int(k.free_refs))
         return g
 
 
-class Pool(SlotOps, MappedViews):
+class Pool:
     """One manager's view of a pool segment (not thread-safe by itself;
-    callers hold ``lock``)."""
+    callers hold ``lock``).
+
+    It owns the file descriptor, the mapping and the header's facts
+    (``created_at``, ``seed``), and is composed of:
+
+    * ``views`` (``MappedViews``): the named views of the segment's regions.
+      The hot paths read them through the same names on the pool
+      (``pool.blocks``, ``pool.c``, ...): references to ``views``' objects
+      bound once (``bind_views``), not copies, dropped with them at ``unmap``;
+    * ``counters`` (``counters.Counters``, built by ``views``): the counter
+      words by name (``pool.counters.num_free``, ``.count_eviction()``);
+    * ``slot_ops`` (``slots.SlotOps``): this manager's slot (``slot``), its
+      liveness byte, and whether other slots' holders are alive;
+    * ``lock`` (``lock.PoolLock``) and ``ops`` (``hot_ops``: the C
+      accelerator's operations or the Python reference), chosen once here.
+    """
+
+    views: MappedViews
+    # (the aliases of ``views``' objects: ``MappedViews.NAMES``, bound by
+    # ``bind_views``; test_gauges checks the two lists agree)
+    raw: Any
+    header: Any
+    counter_array: Any
+    c: Any
+    counters: Counters
+    slots: Any
+    blocks: Any
+    hidx: Any
+    chunks: Any
+    kmat: Any
+    kw: Any
+    tables: Any
+    tidx: Any
+    b_ref: Any
+    b_prev: Any
+    b_next: Any
+    b_flags: Any
+    b_tok: Any
+    b_last: Any
+    b_gen: Any
+    t_state: Any
+    t_owner: Any
+    t_head: Any
+    t_tail: Any
+    t_len: Any
+    t_tok: Any
+    t_rhash: Any
+    t_claim: Any
+    s_head: Any
+    s_count: Any
+    hhome: Any
+    hindex: Any
+    tindex: Any
+    HEAD: int
+    TAIL: int
+    arena: Any
 
     def __init__(self, name: str, fd: int, mm, lay: L.Layout, creator: bool, private: bool):
         self.name = name
@@ -205,21 +256,54 @@ class Pool(SlotOps, MappedViews):
         self.creator = creator
         self.private = private
         self.closed = False
-        self._forked = False
         self._repairing = False
-        self.slot = -1
-        self.live_fd = liveness_fd(fd)
-        self.map_views()
+        self.views = MappedViews(mm, lay, self.corrupt)
+        self.bind_views()
+        self._read_header()
         # the pool mutex and the fused operations (C, or ctypes + fastpath)
         self.native, self.ops = self._open_native()
-        self.lock = PoolLock(self.native, self.c, self._on_dirty)
+        self.lock = PoolLock(self.native, self.counters, self._on_dirty)
+        self.slot_ops = SlotOps(name, fd, lay, self.views, self.lock)
+        # This manager's slot (-1 before it has one and after it let it go):
+        # ``slot_ops.slot``, copied here by the two methods that change it
+        # (``_take_slot``, ``release_slot``), a plain attribute read by every
+        # hot path (a property would cost each call about 40 ns).
+        self.slot = -1
         self.lock.check_usable = self.check_usable
         self.lock.unusable = False
         self.lock.release_claims = lambda: claims.release(self)
-        self.lock.on_stuck = self.on_stuck_lock_word
-        self._stuck_word = None     # (lock word, when first seen) while it stays
+        self.lock.on_stuck = self.slot_ops.on_stuck_lock_word
         self.reclaimed_in_repair = 0     # references released by repairs, not yet reported
         live_pools.add(self)       # (last: the fork handler needs a whole Pool)
+
+    def bind_views(self) -> None:
+        """Bind ``views``' objects under the same names here (``MappedViews.
+        NAMES``), for the hot paths: one attribute read, not two."""
+        v = self.views
+        for k in MappedViews.NAMES:
+            setattr(self, k, getattr(v, k))
+
+    def _read_header(self) -> None:
+        h = self.header[0]
+        self.created_at = float(h["created_at"])
+        self.seed = bytes(h["seed"])
+
+    # ------------------------------------------------------ the slot (slot_ops)
+    @property
+    def forked(self) -> bool:
+        """Whether this mapping was inherited by a forked child (which has no
+        slot of its own: it must attach on its own)."""
+        return self.slot_ops.forked
+
+    def after_fork_in_child(self) -> None:
+        """This process is a forked child (``slots.live_pools``' handler)."""
+        self.slot_ops.after_fork_in_child()
+
+    # ---------------------------------------------------------------- gauges
+    def gauges(self) -> dict:
+        """``MappedViews.gauges``: the pool's figures by name for
+        ``/metrics`` and the CLI."""
+        return self.views.gauges()
 
     def _open_native(self) -> Tuple[Any, ReferenceOps]:
         """The pool mutex and the hot operations, chosen here once: the C
@@ -332,8 +416,7 @@ class Pool(SlotOps, MappedViews):
         h["created_at"] = time.time()
         h["seed"] = np.frombuffer(os.urandom(16), "V16")[0]
         h["total_size"] = lay.total_size
-        self.created_at = float(h[0]["created_at"])
-        self.seed = bytes(h[0]["seed"])
+        self._read_header()
         self.native.init_mutex()
         self.native.release()       # again, now that created_at is known
         self.native, self.ops = self._open_native()
@@ -353,15 +436,16 @@ class Pool(SlotOps, MappedViews):
         b["prev"][0] = b["next"][0] = -1
         b["ref_count"][0] = 1
         b["flags"][0] = L.FLAG_NULL
-        self.c[L.C_NUM_FREE] = n - 1
+        counters = self.counters
+        counters.num_free = n - 1
         # every chunk free: 0 -> 1 -> ... -> num_chunks-1, first ids -1
         km = self.kmat
         km[:, 0] = np.arange(1, lay.num_chunks + 1, dtype=np.int32)
         km[-1, 0] = -1
         km[:, 1] = -1
-        self.c[L.C_HOLDER] = -1
-        self.c[L.C_FREE_REF] = 0
-        self.c[L.C_FREE_REFS] = lay.num_chunks
+        counters.holder = -1
+        counters.free_ref = 0
+        counters.free_refs = lay.num_chunks
         self.hidx[:] = -1
         self.tidx[:] = -1
         h["checksum"] = np.frombuffer(L.header_checksum(h), "V16")[0]
@@ -380,25 +464,32 @@ class Pool(SlotOps, MappedViews):
                 # No free slot: release what dead holders left so their slots
                 # can be reused (a clean pool only; a dirty one waits for repair).
                 reclaim_dead_slots(self)
-            self._claim_slot()
+            self.slot_ops.claim(pure=not self.ops.native)
+            self.slot = self.slot_ops.slot
+
+    def release_slot(self) -> None:
+        """Give this manager's slot back (``SlotOps.release``: under the
+        lock, its holdings released first)."""
+        self.slot_ops.release()
+        self.slot = self.slot_ops.slot
 
     def _on_dirty(self):
         # The lock found the pool dirty (its previous holder died mid-update)
         # or corruption was met: rebuild the derived state from the lists,
         # then release what dead holders held. Managers see the epoch move
         # and re-read their process-local maps.
-        if self.closed or self.slot < 0:
+        if self.closed or self.slot_ops.slot < 0:
             # not repaired (closed, or still attaching: the repair is the
             # first attached holder's): the lock keeps the pool dirty
             return False
         logger.warning("pool %r: previous lock holder died mid-update; repairing", self.name)
-        self._await_dead_holder()
+        self.slot_ops.await_dead_holder()
         # NOTE: from here this process is the holder a repair would wait for:
         # if it dies in this hold (repairing, or in the op that follows, the
         # pool dirty all along), the next repair must wait for its liveness
         # byte, not the earlier holder's, whose slot this repair frees and a
         # new process may take (a wait on a live slot lasts its whole timeout)
-        self.c[L.C_HOLDER] = self.slot
+        self.counters.holder = self.slot_ops.slot
         self._repairing = True      # (corruption met while repairing repairs nothing)
         try:
             recovery.repair(self)
@@ -432,9 +523,10 @@ class Pool(SlotOps, MappedViews):
         return CorruptPoolError(f"pool {self.name!r} is corrupt: {what}; {note}")
 
     def check_usable(self) -> None:
-        if self.closed or (self.slot < 0 and self.lock.unusable and not self._forked):
+        forked = self.slot_ops.forked
+        if self.closed or (self.slot_ops.slot < 0 and self.lock.unusable and not forked):
             raise PoolClosedError(f"manager of pool {self.name!r} is closed")
-        if self._forked:
+        if forked:
             raise PoolClosedError(
                 f"manager of pool {self.name!r} was inherited across fork; "
                 "call shmcache.attach() in the child")
@@ -448,17 +540,13 @@ class Pool(SlotOps, MappedViews):
         self.closed = True
         self.lock.unusable = True
         live_pools.discard(self)
-        for k in list(vars(self)):
-            if k.startswith(("b_", "t_", "s_")) or k in (
-                    "c", "raw", "header", "counters", "slots", "blocks", "hidx", "chunks",
-                    "kw", "kmat", "tables", "tidx", "arena", "hindex", "tindex", "hhome"):
-                setattr(self, k, None)
+        self.views.release()
+        self.bind_views()
         self.native.release()
         try:
             self.mm.close()
         except BufferError:
             pass  # a caller still holds a view; the mapping goes with it
-        if not self._forked:
-            if self.live_fd != self.fd:
-                os.close(self.live_fd)
+        if not self.slot_ops.forked:
+            self.slot_ops.close()
             os.close(self.fd)

@@ -24,7 +24,6 @@ from ..shm import layout as L
 from ..shm.claims import claim, detach_pure
 from ..shm.freelist import SharedFreeQueue
 from ..errors import CorruptPoolError, PoolClosedError
-from ..system.platform import byte_unlock
 from ..shm.refs import RefStore, unlink_table
 from ..shm.slots import live_pools
 
@@ -107,11 +106,11 @@ def reclaim_dead_slots(p, refs: RefStore | None = None) -> int:
     """
     refs = refs if refs is not None else RefStore(p)
     n = 0
-    for s in p.dead_slots():
+    for s in p.slot_ops.dead_slots():
         n += release_slot_holdings(p, refs, s)
         p.slots["state"][s] = 0
     n += release_orphan_tables(p, refs)
-    p.c[L.C_RECLAIMED] += n
+    p.counters.count_reclaimed(n)
     return n
 
 
@@ -151,7 +150,7 @@ def close(p, refs: RefStore, destroy: bool, finalizing: bool = False) -> None:
     if as_dead and p.slot >= 0:
         # Leave as a death would: drop the liveness byte now, and whoever
         # reclaims next releases what this manager held.
-        byte_unlock(p.live_fd, p.liveness_offset(p.slot))
+        p.slot_ops.drop_liveness()
     if p.closed or p.forked or as_dead:
         if destroy and p.creator and not p.private:
             from ..shm import segment
@@ -178,7 +177,7 @@ def close(p, refs: RefStore, destroy: bool, finalizing: bool = False) -> None:
         # a death would; whoever reclaims next releases what we held.
         if e.errno != errno.EDEADLK or p.slot < 0:
             raise
-        byte_unlock(p.live_fd, p.liveness_offset(p.slot))
+        p.slot_ops.drop_liveness()
     finally:
         if destroy and p.creator and not p.private:
             from ..shm import segment

@@ -112,7 +112,7 @@ def _free_chunk_list(p, limit: int):
     nch = p.layout.num_chunks
     kw = p.kw
     out: list = []
-    seen, c = set(), p.c[L.C_FREE_REF]
+    seen, c = set(), p.counters.free_ref
     for _ in range(limit + 1):
         if c == -1:
             return out, True
@@ -181,8 +181,9 @@ def check(p) -> list:
         out.append("a chunk is both in a list and on the free list")
     if len(free) + used != nch:
         out.append(f"chunks: {len(free)} free + {used} in lists != {nch}")
-    if p.c[L.C_FREE_REFS] != len(free):
-        out.append(f"free chunk counter {p.c[L.C_FREE_REFS]} != {len(free)}")
+    k = p.counters
+    if k.free_refs != len(free):
+        out.append(f"free chunk counter {k.free_refs} != {len(free)}")
     # free list
     nxt, prv = p.b_next, p.b_prev
     seen: list = []
@@ -198,8 +199,8 @@ def check(p) -> list:
     else:
         if prv[p.TAIL] != prev:
             out.append(f"free list: tail sentinel's prev is {prv[p.TAIL]}, want {prev}")
-    if len(seen) != p.c[L.C_NUM_FREE]:
-        out.append(f"free list holds {len(seen)} blocks, num_free_blocks says {p.c[L.C_NUM_FREE]}")
+    if len(seen) != k.num_free:
+        out.append(f"free list holds {len(seen)} blocks, num_free_blocks says {k.num_free}")
     in_list = np.zeros(n, bool)
     in_list[np.asarray(seen, dtype=np.int64)] = True
     if len(set(seen)) != len(seen):
@@ -255,15 +256,15 @@ def check(p) -> list:
             out.append(f"table {t} ({rid!r}) is not found from its request id")
         if p.t_tok[t] < 0:
             out.append(f"table {t}: num_tokens {p.t_tok[t]} is negative")
-    if p.c[L.C_NUM_TABLES] != len(live):
-        out.append(f"table counter {p.c[L.C_NUM_TABLES]} != {len(live)} live tables")
+    if k.num_tables != len(live):
+        out.append(f"table counter {k.num_tables} != {len(live)} live tables")
     for t in orphan_tables(p):
         out.append(f"table {t} ({bytes(p.tables['request_id'][t]).rstrip(bytes(1))!r}) is owned "
                    f"by slot {int(p.tables['owner'][t])}, which is not attached: nobody would "
                    f"release its {int(p.t_len[t])} blocks (a corrupted owner; reclaim releases it)")
     out += claims.stale_claims(p)
-    if p.c[L.C_PURE] != claims.count_pure(p):
-        out.append(f"pure-process counter {p.c[L.C_PURE]} != {claims.count_pure(p)} attached")
+    if k.pure != claims.count_pure(p):
+        out.append(f"pure-process counter {k.pure} != {claims.count_pure(p)} attached")
     return out
 
 
@@ -307,8 +308,8 @@ def repair(p) -> None:
     if free.size:
         km[free[:-1], 0] = free[1:]
         km[free[-1], 0] = -1
-    p.c[L.C_FREE_REF] = int(free[0]) if free.size else -1
-    p.c[L.C_FREE_REFS] = int(free.size)
+    p.counters.free_ref = int(free[0]) if free.size else -1
+    p.counters.free_refs = int(free.size)
     # loose lists that lost ids: written afresh (they need no more chunks
     # than they had)
     fr = list(free[::-1])
@@ -327,8 +328,8 @@ def repair(p) -> None:
         if fr:
             km[fr[:-1], 0] = fr[1:]
             km[fr[-1], 0] = -1
-        p.c[L.C_FREE_REF] = int(fr[0]) if fr else -1
-        p.c[L.C_FREE_REFS] = len(fr)
+        p.counters.free_ref = int(fr[0]) if fr else -1
+        p.counters.free_refs = len(fr)
     # ref counts and flags
     refc = expected_ref_counts(p, owners)
     b["ref_count"][:n] = refc.astype(np.int32)
@@ -360,7 +361,7 @@ def repair(p) -> None:
     b["prev"][chain[1:]] = chain[:-1]
     b["prev"][p.HEAD] = -1
     b["next"][p.TAIL] = -1
-    p.c[L.C_NUM_FREE] = int(order.size)
+    p.counters.num_free = int(order.size)
     # indexes
     p.hidx[:] = -1
     for e in np.flatnonzero(flags & L.FLAG_CACHED).tolist():
@@ -369,10 +370,11 @@ def repair(p) -> None:
     live = np.flatnonzero(p.tables["state"] == 1).tolist()
     for t in live:
         p.tindex.insert(t, int(p.tables["rid_hash"][t]))
-    p.c[L.C_NUM_TABLES] = len(live)
-    p.c[L.C_PURE] = claims.count_pure(p)
-    p.c[L.C_RECOVERIES] += 1
-    p.c[L.C_EPOCH] += 1
+    k = p.counters
+    k.num_tables = len(live)
+    k.pure = claims.count_pure(p)
+    k.count_recovery()
+    k.bump_epoch()
 
 
 def scan_stats(p) -> dict:
@@ -390,9 +392,9 @@ def scan_stats(p) -> dict:
     return {
         "total_blocks": n,
         "allocated_blocks": int(alloc.sum()) - reserved,
-        "free_blocks": int(p.c[L.C_NUM_FREE]) + reserved,
+        "free_blocks": int(p.counters.num_free) + reserved,
         "shared_blocks": int((refc[1:] > 1).sum()),
-        "total_tokens_cached": int(p.c[L.C_TOKENS]),
+        "total_tokens_cached": int(p.counters.tokens),
         "tokens_held": int(b["token_count"][1:n][alloc[1:]].sum(dtype=np.int64)),
         "cached_blocks": int(((b["flags"][:n] & L.FLAG_CACHED) != 0).sum()),
         "refs_held": int(p.tables["length"][live_t].sum(dtype=np.int64)

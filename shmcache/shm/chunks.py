@@ -21,7 +21,7 @@ round a cycle.
 from __future__ import annotations
 
 from ..errors import CapacityError
-from .layout import C_FREE_REF, C_FREE_REFS, CHUNK_IDS, CHUNK_WORDS
+from .layout import CHUNK_IDS, CHUNK_WORDS
 
 CI, CW = CHUNK_IDS, CHUNK_WORDS
 
@@ -45,7 +45,7 @@ class ChunkArea:
     # ---- the chunk pool -----------------------------------------------------
     def free_chunks(self) -> int:
         p = self.p
-        free = p.c[C_FREE_REFS]
+        free = p.counters.free_refs
         if not 0 <= free <= p.layout.num_chunks:
             raise p.corrupt(f"the free chunk counter is {free}, outside "
                             f"[0, {p.layout.num_chunks}]")
@@ -62,7 +62,7 @@ class ChunkArea:
 
     def _new_chunk(self) -> int:
         p = self.p
-        c = p.c[C_FREE_REF]
+        c = p.counters.free_ref
         n = p.layout.num_chunks
         if c < 0:
             raise CapacityError(f"pool {p.name!r} has no free reference chunk")
@@ -74,8 +74,9 @@ class ChunkArea:
         if w[base + 1] != -1 or not -1 <= nxt < n:
             raise p.corrupt(f"chunk {c} is on the free list but holds block {w[base + 1]} "
                             f"or links to {nxt}")
-        p.c[C_FREE_REF] = nxt
-        p.c[C_FREE_REFS] -= 1
+        k = p.counters
+        k.free_ref = nxt            # the next chunk heads the free list
+        k.free_refs -= 1
         w[base] = -1
         return c
 
@@ -83,9 +84,10 @@ class ChunkArea:
         p = self.p
         w = p.kw
         w[c * CW + 1] = -1
-        w[c * CW] = p.c[C_FREE_REF]
-        p.c[C_FREE_REF] = c
-        p.c[C_FREE_REFS] += 1
+        k = p.counters
+        w[c * CW] = k.free_ref
+        k.free_ref = c              # c heads the free list
+        k.free_refs += 1
 
     # ---- walks: every chunk id read from shared memory, checked ------------
     def _check_chunk(self, c: int, what: str) -> int:

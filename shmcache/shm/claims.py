@@ -21,7 +21,6 @@ import time
 
 import numpy as np
 
-from . import layout as L
 
 logger = logging.getLogger("shmcache.manager.paged_cache")
 
@@ -59,7 +58,7 @@ def claim(p, t: int) -> None:
         if v in (0, -1):
             break
         s = v - 1
-        if not 0 <= s < p.layout.max_slots or p.slots["state"][s] != 1 or not p.slot_alive(s):
+        if not 0 <= s < p.layout.max_slots or p.slots["state"][s] != 1 or not p.slot_ops.slot_alive(s):
             # its holder is gone mid-append: the table's fields are each
             # valid (hot_claim.h), so the claim is simply taken over
             p.t_claim[t] = -1
@@ -150,7 +149,7 @@ def stale_claims(p) -> list:
         # watches the live ones)
         out += stuck_claim_lines(p, stuck_claims(
             p.tables["claim"], lambda s: 0 <= s < p.layout.max_slots
-            and p.slots["state"][s] == 1 and p.slot_alive(s)))
+            and p.slots["state"][s] == 1 and p.slot_ops.slot_alive(s)))
     return out
 
 
@@ -169,11 +168,11 @@ def attach_pure(p, slot: int, pure: bool) -> None:
     """Record whether ``slot`` (being claimed) runs without the accelerator."""
     p.slots["pure"][slot] = int(pure)
     if pure:
-        p.c[L.C_PURE] += 1
+        p.counters.pure_attached()
 
 
 def detach_pure(p, slot: int) -> None:
     """``slot`` goes (closed, or dead): it no longer counts in C_PURE."""
     if p.slots["pure"][slot]:
         p.slots["pure"][slot] = 0
-        p.c[L.C_PURE] = max(0, int(p.c[L.C_PURE]) - 1)
+        p.counters.pure_detached()

@@ -17,7 +17,6 @@ before its first and no cached block is orphaned by losing its parent.
 from __future__ import annotations
 
 from ..errors import OutOfBlocksError
-from .layout import C_NUM_FREE
 
 
 class SharedFreeQueue:
@@ -28,7 +27,7 @@ class SharedFreeQueue:
 
     @property
     def num_free_blocks(self) -> int:
-        return self.p.c[C_NUM_FREE]
+        return self.p.counters.num_free
 
     # Every link read is checked before it is followed or written through:
     # a block in [1, max_blocks), or the sentinel that may stand there. A
@@ -50,7 +49,7 @@ class SharedFreeQueue:
         nxt[p.HEAD] = n
         prv[n] = p.HEAD
         prv[b] = nxt[b] = -1
-        p.c[C_NUM_FREE] -= 1
+        p.counters.num_free -= 1
         return b
 
     def remove_id(self, b: int) -> None:
@@ -64,7 +63,7 @@ class SharedFreeQueue:
         nxt[pr] = n
         prv[n] = pr
         prv[b] = nxt[b] = -1
-        p.c[C_NUM_FREE] -= 1
+        p.counters.num_free -= 1
 
     def append_id(self, b: int) -> None:
         p = self.p
@@ -74,7 +73,7 @@ class SharedFreeQueue:
         prv[b] = last
         nxt[b] = p.TAIL
         prv[p.TAIL] = b
-        p.c[C_NUM_FREE] += 1
+        p.counters.num_free += 1
 
     def appendleft_id(self, b: int) -> None:
         p = self.p
@@ -84,7 +83,7 @@ class SharedFreeQueue:
         nxt[b] = first
         prv[b] = p.HEAD
         nxt[p.HEAD] = b
-        p.c[C_NUM_FREE] += 1
+        p.counters.num_free += 1
 
     def ids(self, limit: int | None = None) -> list:
         p = self.p

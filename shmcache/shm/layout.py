@@ -192,6 +192,13 @@ C_TURN_NOW = 40
 # compare-and-swap a table's claim). Derived: recovery recounts it.
 C_PURE = 48
 NUM_COUNTERS = 64
+# The counters by name (``counters.Counters`` has a property for each): every
+# ``C_*`` word above, named by its constant in lower case (C_NUM_FREE:
+# num_free); built from the constants, not kept a second time. The L2 tier's
+# are C_L2's; C_FREE_CHUNK(S) are other names of C_FREE_REF(S).
+COUNTER_WORDS = {k[2:].lower(): v for k, v in list(globals().items())
+                 if k.startswith("C_") and type(v) is int
+                 and k not in ("C_FREE_CHUNK", "C_FREE_CHUNKS")}
 
 SLOT_DTYPE = np.dtype([
     ("pid", "<i8"),

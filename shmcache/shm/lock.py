@@ -38,7 +38,6 @@ from typing import Any
 
 from . import layout as L
 from ..errors import CorruptPoolError, ShmCacheError
-from .layout import C_DIRTY, C_HOLDER, C_LOCK_WAIT_NS, C_OPS
 from ..system.platform import RobustMutex
 
 # Exceptions our operations raise only before they change anything
@@ -96,14 +95,14 @@ class PoolLock:
     """Reentrant inter-process lock over one pool, with a dirty mark.
 
     ``native`` is the pool's mutex (``open_hot``), ``counters`` its
-    int64 counter memoryview. ``on_dirty`` runs with the lock held when the
+    counters (``counters.Counters``). ``on_dirty`` runs with the lock held when the
     previous holder did not leave cleanly.
     """
 
     def __init__(self, native, counters, on_dirty) -> None:
         self.native = native
         self.slot = -1              # the pool's slot, recorded as the holder
-        self._c = counters
+        self._counters = counters
         self._on_dirty = on_dirty
         self._tlock = threading.RLock()
         self._owner = 0             # the thread holding (or taking) _tlock, 0: none
@@ -140,14 +139,14 @@ class PoolLock:
             self._tlock.release()
             raise
         self._depth = 1
-        c = self._c
-        if c[C_DIRTY]:
+        k = self._counters          # (fields: as fast as indexing the words)
+        if k.dirty:
             self._dirty_on_entry()
         else:
             # (a dirty pool keeps the holder that left it so: repair waits for it)
-            c[C_HOLDER] = self.slot
+            k.holder = self.slot
             self._keep_dirty = 0
-            c[C_DIRTY] = 1
+            k.dirty = 1
         return self
 
     def _wait(self) -> None:
@@ -170,8 +169,7 @@ class PoolLock:
         waited = time.perf_counter_ns() - t0
         if self.wait_log is not None:
             self.wait_log.append(waited)
-        if waited > self._c[C_LOCK_WAIT_NS]:
-            self._c[C_LOCK_WAIT_NS] = waited
+        self._counters.note_lock_wait(waited)
 
     def _dirty_on_entry(self) -> None:
         try:
@@ -188,7 +186,7 @@ class PoolLock:
                 self._owner = 0
                 self._tlock.release()
             raise
-        self._c[C_DIRTY] = 1
+        self._counters.mark_dirty()
 
     def __exit__(self, et, ev, tb):
         d = self._depth - 1
@@ -201,12 +199,12 @@ class PoolLock:
                 # Interrupted mid-update (KeyboardInterrupt, a bug):
                 # repair now, while we still hold the lock.
                 self._on_dirty()
-            c = self._c
-            c[C_OPS] += 1
-            c[C_DIRTY] = self._keep_dirty
+            k = self._counters
+            k.ops += 1              # a hold that ended cleanly
+            k.dirty = self._keep_dirty
             if not self._keep_dirty:
                 # no holder now (a dirty pool keeps the one that left it so)
-                c[C_HOLDER] = -1
+                k.holder = -1
         finally:
             try:
                 if self.claimed:
@@ -227,7 +225,7 @@ class PoolLock:
             # overwritten while held (and the lock maybe taken over as from
             # a dead holder). This hold may have overlapped another: the
             # next holder repairs.
-            self._c[C_DIRTY] = 1
+            self._counters.mark_dirty()
             raise CorruptPoolError(
                 "the pool lock was taken from this process while it held it (its lock word "
                 "was overwritten); the pool is marked for repair by its next lock holder"

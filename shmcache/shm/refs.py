@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from .blocks import chain_hash
 from .chunks import CI, CW, ChunkArea, chunks_for
-from .layout import C_NUM_TABLES, RID_BYTES, held_mark
+from .layout import RID_BYTES, held_mark
 from .loosemap import LooseMap
 
 
@@ -67,7 +67,7 @@ def rid_key(request_id) -> tuple:
 def unlink_table(p, t: int) -> None:
     """Remove table ``t`` from the live tables (its list is left to pop)."""
     p.t_state[t] = 0           # commit: the table is gone
-    p.c[C_NUM_TABLES] -= 1
+    p.counters.table_dropped()
     p.tindex.remove(t, int(p.tables["rid_hash"][t]))
 
 

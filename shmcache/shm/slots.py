@@ -124,29 +124,36 @@ def process_start_time(pid: int) -> float:
 
 
 class SlotOps:
-    """The slot half of ``Pool`` (a mixin): claiming and releasing this
-    manager's slot, and telling live slots from dead ones.
+    """This manager's slot in a pool's slot table (``slot``, -1 while it
+    has none), the liveness byte that says it is alive, and whether the
+    processes behind other slots are alive.
 
-    Invariants: a slot is attached (state 1) from ``_claim_slot`` to
-    ``release_slot``, and its liveness byte is locked by its holder all that
-    time; an attached slot whose byte is not held is dead, and is reused
-    only after its holdings are released (``reclaim``), never with its
-    references in it. Slots are claimed under the pool lock.
+    It owns ``slot``, the liveness file description (``live_fd``: a second
+    open file description of the segment, ``liveness_fd``), whether this
+    mapping was inherited across a fork, and the lock word seen stuck.
+    Its collaborators, given to the constructor: the pool's name, segment
+    fd and layout; its views (``pool.MappedViews``, or any object with
+    ``slots``, the slot table, and ``counters``, a ``counters.Counters``);
+    and its ``lock`` (``PoolLock``: its ``slot`` is kept equal to ``slot``,
+    and its ``native`` is the mutex the lock word is read through).
+
+    Invariants: a slot is attached (state 1) from ``claim`` to ``release``,
+    and its liveness byte is locked by its holder all that time; an
+    attached slot whose byte is not held is dead, and is reused only after
+    its holdings are released (``reclaim``), never with its references in
+    it. Slots are claimed under the pool lock.
     """
 
-    # (Pool's, set in Pool.__init__ and Pool._map_views)
-    name: str
-    fd: int
-    live_fd: int
-    layout: Any
-    slot: int
-    slots: Any
-    c: Any
-    native: Any
-    ops: Any            # hot_ops: the C accelerator's operations or the Python reference
-    lock: Any
-    _forked: bool
-    _stuck_word: Optional[Tuple[int, float]]     # (lock word, when first seen) while it stays
+    def __init__(self, name: str, fd: int, layout: Any, views: Any, lock: Any) -> None:
+        self.name = name
+        self.fd = fd
+        self.layout = layout
+        self.views = views
+        self.lock = lock
+        self.slot = -1
+        self.live_fd = liveness_fd(fd)
+        self._forked = False
+        self._stuck_word: Optional[Tuple[int, float]] = None   # (lock word, when first seen)
 
     @property
     def forked(self) -> bool:
@@ -174,26 +181,28 @@ class SlotOps:
         return byte_held_by_other(self.fd, self.liveness_offset(slot))
 
     def dead_slots(self) -> list:
-        st = self.slots["state"]
+        st = self.views.slots["state"]
         return [int(s) for s in np.flatnonzero(st == 1) if not self.slot_alive(int(s))]
 
-    def _claim_slot(self) -> None:
-        # (the caller holds the lock, and has reclaimed dead slots if none was free)
-        st = self.slots["state"]
+    def claim(self, pure: bool) -> None:
+        """Take a free slot, recording whether this process runs without the
+        C accelerator (``pure``). The caller holds the lock, and has
+        reclaimed dead slots if none was free."""
+        st = self.views.slots["state"]
         for s in np.flatnonzero(st == 0).tolist() + np.flatnonzero(st == 1).tolist():
             if st[s] == 1:
                 # a dead holder's slot: reused only once reclaimed (by the
                 # caller, or by the next reclaim), never with its references in it
                 continue
             if byte_lock(self.live_fd, self.liveness_offset(s)):
-                sl = self.slots[s]
+                sl = self.views.slots[s]
                 sl["pid"] = os.getpid()
                 sl["start_time"] = process_start_time(os.getpid())
                 sl["attached_at"] = time.time()
                 sl["loose_head"] = -1
                 sl["loose_count"] = 0
                 sl["reserved"] = 0
-                claims.attach_pure(self, int(s), not self.ops.native)
+                claims.attach_pure(self.views, int(s), pure)
                 sl["state"] = 1
                 self.slot = self.lock.slot = int(s)
                 return
@@ -201,18 +210,21 @@ class SlotOps:
             f"pool {self.name!r} has no free slot: all {self.layout.max_slots} "
             "are attached by live processes (create it with a larger max_slots)")
 
-    def release_slot(self) -> None:
+    def release(self) -> None:
+        """Give this manager's slot back (under the lock, its holdings
+        released first)."""
         if self.slot >= 0:
-            self.slots["state"][self.slot] = 0
+            self.views.slots["state"][self.slot] = 0
             byte_unlock(self.live_fd, self.liveness_offset(self.slot))
             self.slot = self.lock.slot = -1
 
     def recorded_holder_pid(self):
         """The pid of the lock's recorded holder (C_HOLDER), if that slot is
         attached and alive; else None."""
-        s = int(self.c[L.C_HOLDER])
-        if 0 <= s < self.layout.max_slots and self.slots["state"][s] == 1 and self.slot_alive(s):
-            return int(self.slots["pid"][s])
+        s = int(self.views.counters.holder)
+        slots = self.views.slots
+        if 0 <= s < self.layout.max_slots and slots["state"][s] == 1 and self.slot_alive(s):
+            return int(slots["pid"][s])
         return None
 
     def on_stuck_lock_word(self) -> None:
@@ -220,26 +232,42 @@ class SlotOps:
         wait): when it cannot be a hold (``lock_owner_problem``), mark its
         owner dead, so that the next lock attempt takes the lock as from a
         dead holder and repairs. Called without the lock."""
-        w = int(self.native.lock_word())
+        native = self.lock.native
+        w = int(native.lock_word())
         now = time.monotonic()
         first = self._stuck_word
         if first is None or first[0] != w:
             # (the native wait saw the word unchanged for a second already)
             self._stuck_word = first = (w, now - 1.0)
         why = lock_owner_problem(w, self.recorded_holder_pid(), now - first[1])
-        if why and self.native.mark_owner_dead(w):
+        if why and native.mark_owner_dead(w):
             self._stuck_word = None
             logger.warning("pool %r: the lock word is no hold (%s): taken over as from a "
                            "dead holder", self.name, why)
 
-    def _await_dead_holder(self, timeout: float = 2.0) -> None:
+    def await_dead_holder(self, timeout: float = 2.0) -> None:
+        """Wait (up to ``timeout``) for the recorded lock holder's liveness
+        byte to drop (the lock found the pool dirty)."""
         # NOTE: the kernel hands a robust mutex on when its dying holder's
         # memory goes, a moment before its files (and liveness byte) close:
         # wait for that, so that the repair reclaims what the holder held.
-        s = int(self.c[L.C_HOLDER])
+        s = int(self.views.counters.holder)
+        slots = self.views.slots
         if not 0 <= s < self.layout.max_slots or s == self.slot:
             return
         deadline = time.monotonic() + timeout
-        while (self.slots["state"][s] == 1 and self.slot_alive(s)
+        while (slots["state"][s] == 1 and self.slot_alive(s)
                and time.monotonic() < deadline):
             time.sleep(0.001)
+
+    def drop_liveness(self) -> None:
+        """Leave as a death would: unlock this manager's liveness byte (its
+        slot stays attached; whoever reclaims next releases its holdings)."""
+        byte_unlock(self.live_fd, self.liveness_offset(self.slot))
+
+    def close(self) -> None:
+        """Close the liveness description (``Pool.unmap``, not after a
+        fork: the child dropped its copy already)."""
+        if self.live_fd >= 0 and self.live_fd != self.fd:
+            os.close(self.live_fd)
+        self.live_fd = -1

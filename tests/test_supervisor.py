@@ -191,7 +191,12 @@ def test_ctrl_c_stops_the_server_and_leaves_nothing():
         assert pool is not None, "the server never created its pool"
         time.sleep(3.0)                                  # requests in flight
         os.killpg(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate(timeout=10)
+            pytest.fail(f"the run did not exit within 60 s of the SIGINT; its stderr:\n{err}")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -19,7 +19,16 @@ with its invariants and commit point stated at the top:
 * ``claims``: "this process is computing that block", for waiters;
 * ``slots``: one slot per attached process (its liveness lock byte);
 * ``loosemap``, ``table_chains``: a process's loose blocks, the seed's
-  per-block registration chains.
+  per-block registration chains;
+* ``counters``: the header's counter words by name (a ``ctypes.Structure``
+  laid over them, its fields from ``layout.COUNTER_WORDS``).
+
+``hot_ops`` puts the hot operations behind one interface with two
+implementations: ``NativeOps`` (the compiled ``shmcache._hot``, whose
+parameters are the rows of ``layout.HOT_PARAMS``; ``hot_params_gen``
+writes their C header) and ``ReferenceOps`` (Python, the reference the
+differential tests compare against, and the path under
+``SHMCACHE_PURE=1``), chosen once when a pool is mapped.
 
 Nothing here knows about managers, models or servers. A structure never
 calls another one's internals: the layers above compose them.

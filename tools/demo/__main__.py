@@ -23,6 +23,7 @@ The parts, one role each:
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 
@@ -47,7 +48,11 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted; stopping the server", file=sys.stderr)
         run.close()
-        return 130
+        # the server is stopped and its pool removed; a client thread still
+        # in a request (up to its 600 s timeout) must not hold the exit back
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
     except SupervisorError as e:
         print(f"\nshmcache supervisor: {e}", file=sys.stderr)
         tail = run.server.log_tail()

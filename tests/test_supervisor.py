@@ -174,9 +174,13 @@ def test_with_l2_the_report_has_the_pools_l2_counters(baseline, tmp_path):
 def test_ctrl_c_stops_the_server_and_leaves_nothing():
     # Its own process group, as a terminal's foreground job. Far more requests
     # than it can serve in the few seconds before the SIGINT (400 finished in time).
+    # SIGINT back to its default in the child: a shell without job control
+    # starts background commands with SIGINT ignored, and Python then never
+    # raises KeyboardInterrupt (the run would go on to the end)
     proc = subprocess.Popen([sys.executable, "-m", "tools.demo", *SMALL,
                              "--requests", "5000"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen, pool = {}, None
     try:
         deadline = time.monotonic() + 90

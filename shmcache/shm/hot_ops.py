@@ -122,11 +122,10 @@ class ReferenceOps:
         return None
 
 
-# the operations NativeOps takes from the compiled object, by name
-OPERATIONS = ("alloc", "free", "set_reserve", "unstash", "add_counter",
-              "new_table", "table_new", "delete_table", "table_drop", "add_block", "append",
-              "table_append", "table_ids", "claim_table", "unclaim_table",
-              "acquire", "table_take", "publish", "lookup", "find_chain")
+# the operations NativeOps takes from the compiled object, by name: every
+# public method of the reference (one list, the class itself)
+OPERATIONS = tuple(name for name, value in vars(ReferenceOps).items()
+                   if callable(value) and not name.startswith("_"))
 
 
 class NativeOps(ReferenceOps):

@@ -100,6 +100,7 @@ class WorkerBackend:
         # did not choose the threads)
         self.lend_cores = lend_cores and not os.environ.get("SHMCACHE_BLAS_THREADS", "").strip()
         self.cpus = cpus_available()
+        self.blas_share = blas_threads_per_worker(workers)     # each worker's own threads
         self._changed = asyncio.Event()    # set (and replaced) when a flight moves on
         self.pool_name = pool_name or f"serve-{os.getpid()}"
         self._ids = itertools.count(1)
@@ -200,7 +201,7 @@ class WorkerBackend:
             return
         live = self.procs.live()
         busy = [w for w in live if w.flights]
-        n = core_shares(len(busy), self.cpus, blas_threads_per_worker(self.n_workers))
+        n = core_shares(len(busy), self.cpus, self.blas_share)
         for w in busy:
             if w.blas_threads != n:
                 try:

@@ -26,7 +26,9 @@ Workloads (``--workloads``; tools.bench.serve_client has the details):
     unique    --requests prompts of the same lengths, no two sharing a prefix
     chat      --sessions S x --turns T over /v1/chat/completions, every turn
               resending the conversation so far with the previous reply; the
-              sessions concurrently, the turns of one session in order
+              sessions concurrently (or --chat-concurrency K at a time, each
+              client thread taking the session that has waited longest), the
+              turns of one session in order
 
 Every round runs every workload on every configuration, interleaved (round 1:
 shared on a, b, c; unique on a, b, c; chat on a, b, c, c-sticky; then round
@@ -248,7 +250,8 @@ def run_config(cfg: Config, args, workload: str, payload, logdir: str, rnd: int)
             if workload == "chat":
                 records, wall = run_chat(client, urls, payload, args.max_tokens,
                                          args.request_timeout, route=cfg.route,
-                                         sticky=args.sticky)
+                                         sticky=args.sticky,
+                                         concurrency=args.chat_concurrency)
             else:
                 records, wall = run_workload(client, urls, payload, args.concurrency,
                                              args.max_tokens, args.request_timeout,
@@ -330,8 +333,12 @@ def parse_args(argv) -> argparse.Namespace:
                    help="shared: every k-th request is a unique prompt (default 4)")
     g = ap.add_argument_group("chat workload")
     g.add_argument("--sessions", type=int, default=None,
-                   help="concurrent sessions (default 2 x --workers)")
+                   help="chat sessions (default 2 x --workers)")
     g.add_argument("--turns", type=int, default=3, help="turns per session (default 3)")
+    g.add_argument("--chat-concurrency", type=int, default=None, metavar="K",
+                   help="client threads; each takes the session that has waited longest "
+                        "(default: --sessions, every session in flight at once; fewer "
+                        "models many users who each think between two messages)")
     g.add_argument("--chat-system-chars", type=int, default=300,
                    help="the system message, the same for every session (default 300)")
     g.add_argument("--user-chars", default="40-120",
@@ -377,6 +384,8 @@ def parse_args(argv) -> argparse.Namespace:
     args.user_range = (int(m[1]), int(m[2]))
     if args.sessions is None:
         args.sessions = 2 * args.workers
+    if args.chat_concurrency is not None and args.chat_concurrency < 1:
+        ap.error(f"--chat-concurrency {args.chat_concurrency}: want at least 1")
     if args.model.endswith(".gguf") and os.path.isfile(args.model) and not args.gguf:
         args.gguf = args.model
     return args
@@ -428,7 +437,9 @@ def main(argv=None) -> int:
         if w == "chat":
             payloads[w] = build_chat(args.sessions, args.turns, args.seed,
                                      args.chat_system_chars, args.user_range)
-            describe[w] = (f"{args.sessions} sessions x {args.turns} turns, system message "
+            k = min(args.chat_concurrency or args.sessions, args.sessions)
+            describe[w] = (f"{args.sessions} sessions x {args.turns} turns ({k} at a time), "
+                           f"system message "
                            f"{args.chat_system_chars} chars, user turns {args.user_chars} "
                            f"chars, max_tokens {args.max_tokens}")
         else:

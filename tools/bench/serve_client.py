@@ -12,8 +12,10 @@ Three workloads (seeded: the same text for every configuration):
              session starts with the same system message; each turn resends
              the whole conversation so far (system, user 1, assistant reply 1,
              user 2, ...) with the reply the server streamed for the previous
-             turn. Sessions run concurrently, the turns of one session one
-             after another.
+             turn. The turns of one session run one after another; the
+             sessions run concurrently, or from fewer client threads
+             (``--chat-concurrency``) that each take the session that has
+             waited longest.
 
 Every request is streamed (temperature 0, ``max_tokens``, usage included):
 the client stamps the arrival of every chunk that carries text. A record's
@@ -30,6 +32,7 @@ import string
 import threading
 import time
 import zlib
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -212,43 +215,61 @@ def sticky_server(session: int, n_servers: int, how: str = "balanced") -> int:
 
 def run_chat(client: httpx.Client, urls: list[str], chat: ChatWorkload, max_tokens: int,
              timeout: float, route: str = "round-robin",
-             sticky: str = "balanced") -> tuple[list[dict], float]:
-    """Every session in its own thread, its turns in order. route:
-    "round-robin" (request k of the run, in the order sent, to urls[k mod N])
-    or "sticky" (every turn of session s to :func:`sticky_server`)."""
+             sticky: str = "balanced", concurrency: Optional[int] = None) -> tuple[list[dict], float]:
+    """The sessions' turns from ``concurrency`` client threads (default: one
+    per session, every session in flight at once), the turns of one session
+    in order. A thread takes the session that has waited longest: at the
+    start the sessions in order, then each session goes to the back of the
+    queue when its turn's reply has arrived, so with fewer threads than
+    sessions a session "thinks" while the others' turns run (many users,
+    each between two messages, as on a chat service). route: "round-robin"
+    (request k of the run, in the order sent, to urls[k mod N]) or "sticky"
+    (every turn of session s to :func:`sticky_server`)."""
     results: list[dict] = []
     lock = threading.Lock()
+    ready = threading.Condition(lock)
     counter = itertools.count()
-    sessions = iter(range(chat.sessions))
+    queue = deque((s, [{"role": "system", "content": chat.system}], 0)
+                  for s in range(chat.sessions))
+    in_flight = [0]
 
-    def session_loop() -> None:
+    def next_turn():
+        with ready:
+            while not queue and in_flight[0]:
+                ready.wait()
+            if not queue:
+                return None
+            in_flight[0] += 1
+            return queue.popleft()
+
+    def client_loop() -> None:
         while True:
-            with lock:
-                s = next(sessions, None)
-            if s is None:
+            item = next_turn()
+            if item is None:
                 return
-            messages = [{"role": "system", "content": chat.system}]
-            for t, user in enumerate(chat.user_turns[s]):
-                messages.append({"role": "user", "content": user})
-                with lock:
-                    k = next(counter)
-                srv = (sticky_server(s, len(urls), sticky) if route == "sticky"
-                       else k % len(urls))
-                rec = {"session": s, "turn": t, "warm": t > 0, "server": srv}
-                try:
-                    rec.update(chat_request(client, urls[srv], list(messages), max_tokens,
-                                            timeout))
-                except Exception as e:  # noqa: BLE001 - recorded; the session ends
-                    rec["error"] = f"{type(e).__name__}: {e}"
-                    rec["t_end"] = time.perf_counter()
-                with lock:
-                    results.append(rec)
-                if "error" in rec:
-                    return
-                messages.append({"role": "assistant", "content": rec["text"]})
+            s, messages, t = item
+            messages.append({"role": "user", "content": chat.user_turns[s][t]})
+            with lock:
+                k = next(counter)
+            srv = (sticky_server(s, len(urls), sticky) if route == "sticky"
+                   else k % len(urls))
+            rec = {"session": s, "turn": t, "warm": t > 0, "server": srv}
+            try:
+                rec.update(chat_request(client, urls[srv], list(messages), max_tokens,
+                                        timeout))
+            except Exception as e:  # noqa: BLE001 - recorded; the session ends
+                rec["error"] = f"{type(e).__name__}: {e}"
+                rec["t_end"] = time.perf_counter()
+            with ready:
+                results.append(rec)
+                in_flight[0] -= 1
+                if "error" not in rec and t + 1 < chat.turns:
+                    messages.append({"role": "assistant", "content": rec["text"]})
+                    queue.append((s, messages, t + 1))
+                ready.notify_all()
 
     t0 = time.perf_counter()
-    _threads(chat.sessions, session_loop)
+    _threads(min(concurrency or chat.sessions, chat.sessions), client_loop)
     wall = max((r["t_end"] for r in results), default=t0) - t0
     return results, wall
 

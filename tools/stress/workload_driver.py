@@ -159,7 +159,7 @@ class Workload(WorkloadOps):
         self.foreign.clear()
         if self.private:
             self.release_private(sorted(self.private), batch=True)
-        mine = [h for h in self.m.holdings() if h["slot"] == self.m._p.slot]
+        mine = [h for h in self.m.holdings() if h["slot"] == self.m.pool.slot]
         if mine and (mine[0]["tables"] or mine[0]["table_blocks"] or mine[0]["loose_blocks"]):
             self.r["self_leaks"] += 1
             self.on_problem()

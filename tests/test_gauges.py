@@ -86,3 +86,47 @@ def test_every_counter_word_has_one_property():
     assert int(a.sum()) == 3 + 1 - 2 + 1 + 1
     k.l2_hits = 7
     assert k.l2()["hits"] == 7 == a[L.C_L2["hits"]]
+
+
+def test_counters_are_named_not_indexed():
+    """``counters.WORDS`` is the one name -> word map: ``Counters``' fields
+    are its names (and the ones declared for mypy), ``word`` and ``add``
+    read it, and an unknown name is a ValueError naming it."""
+    import numpy as np
+    import pytest
+    from shmcache.shm.counters import WORDS
+    assert set(Counters.__annotations__) == set(WORDS)
+    assert {n for n, _ in Counters._fields_ if not n.startswith("_spare")} == set(WORDS)
+    assert Counters.word("tokens") == L.C_TOKENS and Counters.word("l2_hits") == L.C_L2["hits"]
+    a = np.zeros(L.NUM_COUNTERS, np.int64)
+    k = Counters.from_buffer(a)
+    k.add("l2_hits", 3)
+    k.add("tokens", 5)
+    assert a[L.C_L2["hits"]] == 3 and a[L.C_TOKENS] == 5 and int(a.sum()) == 8
+    for bad in ("l2_hitz", "hits ", 16):
+        with pytest.raises(ValueError, match=repr(bad)):
+            k.add(bad, 1)        # type: ignore[arg-type]
+    assert int(a.sum()) == 8
+
+
+def test_add_counters_takes_the_shared_counters_by_name():
+    """``add_counters({name: delta})`` adds to the L2 tier's counters (summed
+    over calls); an unknown name, or one of the pool's own counters, is a
+    ValueError naming it, and nothing is added."""
+    import pytest
+    m = PagedCacheManager(block_size=4, max_blocks=16)
+    try:
+        m.add_counters({"l2_hits": 2, "l2_writes": 1})
+        m.add_counters({"l2_hits": 1})
+        assert (m.l2_counters()["hits"], m.l2_counters()["writes"]) == (3, 1)
+        before = m.pool.counter_array.copy()
+        with pytest.raises(ValueError, match="'l2_hitz'"):
+            m.add_counters({"l2_misses": 1, "l2_hitz": 1})
+        with pytest.raises(ValueError, match="'hits' is the pool's own"):
+            m.add_counters({"l2_misses": 1, "hits": 1})
+        with pytest.raises(ValueError, match="16"):
+            m.add_counters({16: 1})                     # an index is no name
+        after = m.pool.counter_array
+        assert (after[16:27] == before[16:27]).all() and after[L.C_HITS] == before[L.C_HITS]
+    finally:
+        m.destroy()

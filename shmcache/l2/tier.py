@@ -7,7 +7,7 @@ arrived into fresh pool blocks (``mgr.import_blocks``), appends them to the
 table and publishes them in L1. :meth:`L2Tier.load` is both, waiting.
 :meth:`L2Tier.write_back` runs after a publish: it copies the blocks
 (``mgr.export_blocks``) and queues them for the writer thread. This
-process's counters reach the pool-wide ones (``layout.C_L2``, what
+process's counters reach the pool-wide ones (``l2_<name>``, what
 ``shmcache inspect`` shows) from the writer thread, every ``FLUSH_S``.
 """
 
@@ -20,7 +20,6 @@ from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 
-from ..shm.layout import C_L2
 from .codec import DEFAULT_MAX_VALUE, Codec, KVLayout
 from .store import DEFAULT_QUEUE_BYTES, DEFAULT_RETRY, DEFAULT_TIMEOUT, RedisL2
 
@@ -38,7 +37,7 @@ def pool_counter_sink(mgr) -> Callable[[dict], None]:
     def sink(deltas: dict) -> None:
         m = wmgr()
         if m is not None:
-            m.add_counters({C_L2[k]: d for k, d in deltas.items()})
+            m.add_counters({f"l2_{k}": d for k, d in deltas.items()})
     return sink
 
 

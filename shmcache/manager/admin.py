@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Dict, List
 
 import numpy as np
 
-from ..shm import layout as L
+from ..shm.counters import SHARED_WORDS, Counters
 from ..pool import recovery
 from ..shm.blocks import CacheStats, PoolStats
 from ..pool.reclaim import release_slot_holdings
@@ -29,9 +29,9 @@ logger = logging.getLogger("shmcache.manager.paged_cache")
 class PoolAdmin:
     """Statistics and operations on the whole pool.
 
-    Invariant: the counters below index 16 are the pool's own and only the
-    pool writes them; ``add_counters`` writes the rest, under the lock, so
-    every process's additions sum.
+    Invariant: the pool's own counters (layout's ``C_*``) only the pool
+    writes; ``add_counters`` writes the shared ones (the L2 tier's, by
+    name), under the lock, so every process's additions sum.
     """
 
     def __init__(self, ledger: "BlockLedger") -> None:
@@ -60,24 +60,28 @@ class PoolAdmin:
                 "kv_bytes": self.pool.layout.arena_size,
                 **{k: getattr(s, k) for k in PoolStats.CAPACITY}}
 
-    def add_counters(self, deltas) -> None:
-        """Add ``{counter index: delta}`` to the pool's shared counters, under the lock.
+    def add_counters(self, deltas: Dict[str, int]) -> None:
+        """Add ``{counter name: delta}`` to the pool's shared counters, under the lock.
 
-        For statistics kept by layers above the pool (the L2 tier's,
-        ``layout.C_L2``); every process's additions sum.
+        For statistics kept by layers above the pool: the L2 tier's,
+        ``l2_<name>`` for each name of ``layout.L2_COUNTERS``
+        (``counters.SHARED_WORDS``); every process's additions sum.
+        Nothing is added unless every name is one of them.
 
         Raises:
-            ValueError: an index outside the counter area, or one of the
-                pool's own counters (0..15), which only the pool writes.
+            ValueError: an unknown counter name, or one of the pool's own
+                counters, which only the pool writes (the message names it).
         """
-        items = [(int(i), int(d)) for i, d in dict(deltas).items()]
-        for i, _ in items:
-            if not 16 <= i < L.NUM_COUNTERS:
-                raise ValueError(f"counter index {i} is not one of 16..{L.NUM_COUNTERS - 1}")
+        items = [(name, int(d)) for name, d in dict(deltas).items()]
+        for name, _ in items:
+            Counters.word(name)                     # (unknown: ValueError naming it)
+            if name not in SHARED_WORDS:
+                raise ValueError(f"counter {name!r} is the pool's own (only the pool writes "
+                                 f"it); add_counters takes {', '.join(sorted(SHARED_WORDS))}")
         with self.pool.lock:
-            c = self.pool.c
-            for i, d in items:
-                c[i] += d
+            counters = self.pool.counters
+            for name, d in items:
+                counters.add(name, d)
 
     def l2_counters(self) -> Dict[str, int]:
         """The pool-wide L2 counters (``layout.L2_COUNTERS``), summed over every process."""

@@ -306,7 +306,7 @@ class PagedCacheManager:
         return self._admin.get_memory_usage()
 
     @_doc(PoolAdmin.add_counters)
-    def add_counters(self, deltas) -> None:
+    def add_counters(self, deltas: Dict[str, int]) -> None:
         return self._admin.add_counters(deltas)
 
     @_doc(PoolAdmin.l2_counters)

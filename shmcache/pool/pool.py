@@ -34,6 +34,9 @@ from ..shm.slots import SlotOps, live_pools, process_start_time
 
 logger = logging.getLogger("shmcache.manager.paged_cache")
 
+# the word of the seed's token counter, for the C accelerator's add_counter(i, n)
+_TOKENS_WORD = Counters.word("tokens")
+
 
 def _positive_int(name: str, v, minimum: int = 1) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
@@ -452,10 +455,10 @@ class Pool:
         h["ready"] = 1
 
     def add_tokens(self, n: int) -> None:
-        """The seed's token counter (C_TOKENS) += n: an atomic add where the
+        """The seed's token counter (``tokens``) += n: an atomic add where the
         C accelerator is, since appends without the lock add to it too
         (claims.py); a plain one in a pure process (none run then)."""
-        self.ops.add_counter(L.C_TOKENS, int(n))
+        self.ops.add_counter(_TOKENS_WORD, int(n))
 
     # ------------------------------------------------------------------ slots
     def _take_slot(self) -> None:

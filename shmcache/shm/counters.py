@@ -28,25 +28,60 @@ on the mapping: live, no copy), its fields generated from
 ones ``_spare<i>``): a field is read and written in C, as fast as indexing
 the words (about 20 ns; a Python property costs 55). A named write is one
 Python call.
+
+Names, not indexes: ``WORDS`` is the one map from a counter's name to its
+word; code above this module names counters (``Counters.add("l2_hits",
+3)``, ``Counters.word("tokens")`` for the index the C accelerator's
+``add_counter(i, n)`` takes), and an unknown name is a ValueError naming it.
+The fields are declared below as well, so that mypy checks every counter
+name (a misspelt one is an error); the class checks at import that the
+declared names are ``WORDS``' own.
 """
 
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Dict, Type, TypeVar
 
 from . import layout as L
 
+# Counter name -> its word (int64 index in the counters section): every
+# ``C_*`` word of layout (``COUNTER_WORDS``) and the L2 tier's as
+# ``l2_<name>`` (``C_L2``). The one map: the fields below, ``word`` and
+# ``add`` all read it.
+WORDS: Dict[str, int] = {**L.COUNTER_WORDS, **{f"l2_{n}": i for n, i in L.C_L2.items()}}
+# the counters layers above the pool add to (``PoolAdmin.add_counters``):
+# the L2 tier's; the pool's own (below word 16) only the pool writes
+SHARED_WORDS = frozenset(f"l2_{n}" for n in L.C_L2)
+
 
 def _fields() -> list:
-    """One int64 field per counter word, named as ``COUNTER_WORDS`` names it
-    (``l2_<name>`` for the L2 tier's, ``_spare<i>`` for the unused)."""
-    name_at = {i: n for n, i in L.COUNTER_WORDS.items()}
-    name_at.update({i: f"l2_{n}" for n, i in L.C_L2.items()})
+    """One int64 field per counter word, named as ``WORDS`` names it
+    (``_spare<i>`` for the unused)."""
+    name_at = {i: n for n, i in WORDS.items()}
     return [(name_at.get(i, f"_spare{i}"), ctypes.c_int64) for i in range(L.NUM_COUNTERS)]
 
 
-class Counters(ctypes.Structure):
+_T = TypeVar("_T")
+
+if TYPE_CHECKING:
+    class _Words:
+        """What mypy sees of ``ctypes.Structure`` here: the constructors
+        used, and no ``__getattr__`` (the Structure stub's returns Any for
+        any name), so that a misspelt counter name is an error."""
+
+        def __init__(self, *args: Any, **kw: Any) -> None: ...
+
+        @classmethod
+        def from_buffer(cls: Type[_T], source: Any, offset: int = 0) -> _T: ...
+
+        @classmethod
+        def from_address(cls: Type[_T], address: int) -> _T: ...
+else:
+    _Words = ctypes.Structure
+
+
+class Counters(_Words):
     """The counter words of one pool, by name: build it over the counters
     section with ``Counters.from_buffer(buffer, layout.counters_off)``
     (``MappedViews`` does: ``pool.counters``), or ``from_address`` over a
@@ -54,15 +89,60 @@ class Counters(ctypes.Structure):
 
     _fields_ = _fields()
 
-    if TYPE_CHECKING:
-        # (the fields are made from ``layout.COUNTER_WORDS``: to mypy, every
-        # counter name is an int; the three the methods below set as well as
-        # read are declared)
-        def __getattr__(self, name: str) -> int: ...
-        def __setattr__(self, name: str, value: int) -> None: ...
-        dirty: int
-        holder: int
-        lock_wait_ns: int
+    # The fields, declared for mypy (the ctypes fields above are what runs;
+    # the class body checks at import that these are ``WORDS``' names).
+    # The pool's own words (layout's C_*):
+    dirty: int
+    num_free: int
+    free_ref: int
+    hits: int
+    misses: int
+    cow: int
+    evictions: int
+    recoveries: int
+    reclaimed: int
+    lock_wait_ns: int
+    num_tables: int
+    ops: int
+    free_refs: int
+    epoch: int
+    holder: int
+    tokens: int
+    turn_next: int
+    turn_now: int
+    pure: int
+    # the L2 tier's (layout.C_L2, as l2_<name>):
+    l2_lookups: int
+    l2_hits: int
+    l2_misses: int
+    l2_read_bytes: int
+    l2_writes: int
+    l2_written_bytes: int
+    l2_dropped: int
+    l2_rejected: int
+    l2_timeouts: int
+    l2_errors: int
+    l2_outages: int
+
+    # ---- names ---------------------------------------------------------------
+    @staticmethod
+    def word(name: str) -> int:
+        """The word (index in the counters section) of counter ``name``.
+
+        Raises:
+            ValueError: ``name`` is no counter's.
+        """
+        try:
+            return WORDS[name]
+        except (KeyError, TypeError):
+            raise ValueError(f"unknown counter {name!r} (the counters: "
+                             f"{', '.join(WORDS)})") from None
+
+    def add(self, name: str, n: int) -> None:
+        """Counter ``name`` += ``n`` (a plain read and store: the caller holds
+        the pool lock). Raises ValueError for an unknown name."""
+        self.word(name)
+        setattr(self, name, getattr(self, name) + int(n))
 
     # ---- events (callers hold the pool lock) ---------------------------------
     def count_hits(self, n: int = 1) -> None:
@@ -140,4 +220,6 @@ class Counters(ctypes.Structure):
         return max(0, self.turn_next - self.turn_now)
 
 
-assert ctypes.sizeof(Counters) == L.NUM_COUNTERS * 8
+assert ctypes.sizeof(Counters) == L.NUM_COUNTERS * 8   # type: ignore[arg-type]
+assert set(Counters.__annotations__) == set(WORDS), (   # the declared fields are WORDS'
+    set(Counters.__annotations__) ^ set(WORDS))

@@ -63,7 +63,9 @@ class ReferenceOps:
         return False
 
     def add_counter(self, i: int, n: int) -> None:
-        """Counter ``i`` += ``n`` (lock held in a pure process)."""
+        """Counter word ``i`` += ``n`` (lock held in a pure process): the
+        low-level call, by index as the C method takes it; callers name the
+        counter and look its word up once (``Counters.word(name)``)."""
         self.counters[i] += n
 
     # ---- tables (one hold of the C op's own; the ``table_*`` ones inside the caller's)

@@ -30,11 +30,11 @@ def measure(calls: int) -> list:
                                max_tables=max(64, calls + 8), max_refs=8 * 65536)
     rows = []
     try:
-        nat = mgr._p.native
+        nat = mgr.pool.native
         if not hasattr(nat, "take_trace"):
             raise SystemExit("tools.bench.holds: needs the C accelerator (not SHMCACHE_PURE)")
         nat.log_holds(2)
-        mgr._p.lock.trace = True
+        mgr.pool.lock.trace = True
         sysp = list(range(SYSTEM_BLOCKS * BS))
         t = mgr.create_block_table("system")
         mgr.prepare_append(t, len(sysp))

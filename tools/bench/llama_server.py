@@ -22,14 +22,14 @@ def llama_without_extra_buffers():
 
     Raises ImportError where llama_cpp is not installed."""
     import llama_cpp.llama_cpp as low
-    if not getattr(low.llama_model_default_params, "_shmcache_no_extra_bufts", False):
+    if not getattr(low.llama_model_default_params, "shmcache_no_extra_bufts", False):
         defaults = low.llama_model_default_params
 
         def without_extra_bufts():
             params = defaults()
             params.use_extra_bufts = False
             return params
-        without_extra_bufts._shmcache_no_extra_bufts = True  # type: ignore[attr-defined]
+        without_extra_bufts.shmcache_no_extra_bufts = True  # type: ignore[attr-defined]
         low.llama_model_default_params = without_extra_bufts
     from llama_cpp import Llama
     return Llama

@@ -59,7 +59,7 @@ def profile(n_pair: int = 30000, n_batch: int = 1500, n_prefix: int = 203, top: 
               f"{n_prefix - 3} requests of 64 blocks (times inflated by the profiler)")
         pstats.Stats(pr).strip_dirs().sort_stats("tottime").print_stats(top)
         # fixed costs of one locked call, without the profiler
-        p = m._p
+        p = m.pool
         nat = p.native
 
         def t(fn, n=200_000):

@@ -51,7 +51,7 @@ def profile(n: int, shape: str = "llama8b", reps: int = 51, rounds: int = 3,
     mgr = shmcache.PagedCacheManager(max_blocks=max(2048, 4 * n), block_size=BLOCK,
                                      num_layers=1, num_kv_heads=H, head_dim=D, dtype=dtype)
     try:
-        arena = mgr._p.arena
+        arena = mgr.pool.arena
         arena.view(np.uint8)[...] = np.random.default_rng(0).integers(
             0, 255, arena.nbytes, dtype=np.uint8).reshape(arena.view(np.uint8).shape)
         ids = np.random.default_rng(1).permutation(np.arange(1, arena.shape[1]))[:n].tolist()

@@ -107,13 +107,13 @@ def worker(name: str, mix: str, start_at: float, seconds: float, seed: int, out:
            steps: bool = False, trace: bool = False) -> int:
     import shmcache
     mgr = shmcache.attach(name)
-    waits = mgr._p.lock.wait_log = []
-    native = mgr._p.native
+    waits = mgr.pool.lock.wait_log = []
+    native = mgr.pool.native
     log_c = hasattr(native, "log_waits")        # (the C accelerator: its own waits)
     if log_c:
         native.log_waits(True)
         native.log_holds(2 if trace else int(steps))
-        mgr._p.lock.trace = trace
+        mgr.pool.lock.trace = trace
     rng = random.Random(seed)
     system = list(range(SYSTEM_BLOCKS * BS))
     ops = 0

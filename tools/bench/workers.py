@@ -33,10 +33,10 @@ def bench_gather() -> list:
                                          num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
                                          dtype=dtype)
         try:
-            mgr._p.arena[...] = 1
+            mgr.pool.arena[...] = 1
             for n in (512, 64):
                 ids = np.random.default_rng(0).permutation(np.arange(1, 2048))[:n].tolist()
-                nbytes = 2 * mgr._p.arena[0, ids, 0].nbytes
+                nbytes = 2 * mgr.pool.arena[0, ids, 0].nbytes
                 src = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8)
                 dst = np.empty_like(src)
 

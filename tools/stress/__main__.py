@@ -131,7 +131,7 @@ def parent_main(args) -> int:
                         c.proc.send_signal(signal.SIGKILL)
                         c.exit, c.killed = c.proc.wait(), True
                         kills += 1
-                        if (m._p.slots["state"] == 0).sum() < args.processes + 2:
+                        if (m.pool.slots["state"] == 0).sum() < args.processes + 2:
                             m.reclaim_dead()
                         spawn(args, name, demand, rng, tmp, children)
                     next_kill = now + args.kill_every
@@ -231,8 +231,8 @@ def final_report(args, m, L, children, elapsed, kills, demand, errors) -> dict:
     reclaimed = m.reclaim_dead()
     problems = m.check()
     stats = m.get_stats()
-    scan = recovery.scan_stats(m._p)
-    others = [h for h in m.holdings() if h["slot"] != m._p.slot]
+    scan = recovery.scan_stats(m.pool)
+    others = [h for h in m.holdings() if h["slot"] != m.pool.slot]
     t = totals(children)
     procs = []
     for c in children:

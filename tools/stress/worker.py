@@ -54,7 +54,7 @@ class Worker(Workload):
         self.result_path = args.result
         self.parent = args.parent
         self.stop = False
-        self.waits = m._p.lock.wait_log = []     # waits for the pool lock, ns
+        self.waits = m.pool.lock.wait_log = []     # waits for the pool lock, ns
         self.waits_dropped = 0
         self.r.update(pid=self.pid, peak_rss_bytes=0, peak_pss_bytes=0, done=False, error=None)
         self.proc = psutil.Process()

@@ -105,6 +105,12 @@ bench: setup
 	$(BIN)/python -m tools.bench.serve --model realistic:4 --workers 2 --rounds 2 --max-tokens 12 \
 		--requests 6 --concurrency 2 --system-chars 300 --sessions 4 --turns 2 \
 		--chat-system-chars 200 --user-chars 40-80 --json bench-serve-realistic4.json
+	@# chat with more sessions than clients (each session waits its turn, as users do)
+	$(BIN)/python -m tools.bench.serve --model realistic:4 --workers 2 --rounds 2 --max-tokens 16 \
+		--workloads chat --configs a,c,c-sticky --sessions 24 --chat-concurrency 4 --turns 3 \
+		--chat-system-chars 300 --user-chars 40-80 --json bench-serve-many-sessions.json
+	@# a worker's step against mlx-lm's BatchGenerator, in one process
+	$(BIN)/python -m tools.bench.engine_step --model realistic:4 --batch 1,2,4 --rounds 2
 	$(BIN)/python -m tools.bench.l2
 
 clean:

@@ -67,16 +67,23 @@ class _Server:
         self.httpd.server_close()
 
 
-@pytest.mark.timeout(30)
-def test_fewer_threads_than_sessions_interleave_sessions_in_order():
+def _run(sessions: int, turns: int, concurrency=None):
+    """run_chat against a fresh _Server: (server, chat, records, wall)."""
     srv = _Server()
     try:
-        chat = build_chat(sessions=4, turns=2, seed=1, system_chars=20, user_chars=(5, 10))
+        chat = build_chat(sessions=sessions, turns=turns, seed=1, system_chars=20,
+                          user_chars=(5, 10))
         with httpx.Client(trust_env=False) as client:
             recs, wall = run_chat(client, [srv.url], chat, max_tokens=1, timeout=10,
-                                  concurrency=2)
+                                  concurrency=concurrency)
     finally:
         srv.close()
+    return srv, chat, recs, wall
+
+
+@pytest.mark.timeout(30)
+def test_fewer_threads_than_sessions_interleave_sessions_in_order():
+    srv, chat, recs, wall = _run(4, 2, concurrency=2)
     assert wall > 0 and len(recs) == 8 and not any("error" in r for r in recs)
     assert srv.peak <= 2
     firsts = [[m["content"] for m in msgs if m["role"] == "user"] for msgs in srv.seen]
@@ -94,11 +101,5 @@ def test_fewer_threads_than_sessions_interleave_sessions_in_order():
 
 @pytest.mark.timeout(30)
 def test_default_runs_every_session_at_once():
-    srv = _Server()
-    try:
-        chat = build_chat(sessions=3, turns=1, seed=1, system_chars=20, user_chars=(5, 10))
-        with httpx.Client(trust_env=False) as client:
-            recs, _ = run_chat(client, [srv.url], chat, max_tokens=1, timeout=10)
-    finally:
-        srv.close()
+    srv, _, recs, _ = _run(3, 1)
     assert len(recs) == 3 and srv.peak == 3

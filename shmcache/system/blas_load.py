@@ -22,24 +22,20 @@ def sym(lib, name):
         return None
 
 
+# each BLAS's thread-count setter and the C type of its argument
+_THREAD_SETTERS = (("openblas_set_num_threads", ctypes.c_int),
+                   ("bli_thread_set_num_threads", ctypes.c_int64),
+                   ("MKL_Set_Num_Threads", ctypes.c_int),
+                   ("flexiblas_set_num_threads", ctypes.c_int))
+
+
 def set_threads(lib, n: int) -> None:
     """Sets the library's thread count to n with each thread setter it exports."""
-    f = sym(lib, "openblas_set_num_threads")
-    if f is not None:
-        f.argtypes, f.restype = [ctypes.c_int], None
-        f(n)
-    f = sym(lib, "bli_thread_set_num_threads")
-    if f is not None:
-        f.argtypes, f.restype = [ctypes.c_int64], None
-        f(n)
-    f = sym(lib, "MKL_Set_Num_Threads")
-    if f is not None:
-        f.argtypes, f.restype = [ctypes.c_int], None
-        f(n)
-    f = sym(lib, "flexiblas_set_num_threads")
-    if f is not None:
-        f.argtypes, f.restype = [ctypes.c_int], None
-        f(n)
+    for name, arg in _THREAD_SETTERS:
+        f = sym(lib, name)
+        if f is not None:
+            f.argtypes, f.restype = [arg], None
+            f(n)
 
 
 def get_threads(lib) -> int | None:

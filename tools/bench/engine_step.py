@@ -53,21 +53,16 @@ def run_mlx_lm(model, prompts: list, tokens: int) -> tuple:
     return _decode_median(steps, tokens), time.perf_counter() - t0
 
 
-def run_engine(model, prompts: list, tokens: int, dtype: str) -> tuple:
+def run_engine(model, prompts: list, tokens: int, layout: dict) -> tuple:
     import shmcache
     from shmcache.shm import segment
     from workers.protocol import SamplingParams
     from workers.wire import Gen
     from workers.worker.engine import Engine
-    args = model.args
-    heads = args.num_key_value_heads
-    head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
     context = max(len(p) for p in prompts) + tokens
     blocks = len(prompts) * (context // 16 + 2) + 64
     name = f"bench-step-{os.getpid()}"
-    mgr = shmcache.create_pool(name, block_size=16, max_blocks=blocks,
-                               num_layers=len(model.layers), num_kv_heads=heads,
-                               head_dim=head_dim, dtype=dtype)
+    mgr = shmcache.create_pool(name, block_size=16, max_blocks=blocks, **layout)
     try:
         failed: list = []
         eng = Engine(mgr, model, [], lambda kind, payload: failed.append(payload)
@@ -114,6 +109,7 @@ def main(argv=None) -> int:
     import shmcache  # noqa: F401  (binds the fast BLAS before mlx loads)
     import mlx.core as mx
     from mlx_lm import load
+    from shmcache.models.mlx_lm import pool_layout
     from tools.bench.serve_models import ModelError, resolve
     try:
         path, label = resolve(args.model)
@@ -122,12 +118,10 @@ def main(argv=None) -> int:
         return 2
     model, _ = load(path)
     mx.eval(model.parameters())
-    dtype = {mx.float16: "float16", mx.bfloat16: "bfloat16"}.get(
-        model.layers[0].self_attn.k_proj.weight.dtype, "float32")
+    layout = pool_layout(model)       # the pool a worker would attach to
     vocab = model.args.vocab_size
     print(f"model: {label}; context {args.context} tokens, {args.tokens} generated per row; "
           f"{os.cpu_count()} cores", flush=True)
-    rows = []
     for b in batches:
         rng = random.Random(f"{args.seed}-{b}")
         # ids from 3: the low ids are special tokens in most vocabularies
@@ -135,8 +129,7 @@ def main(argv=None) -> int:
         res: dict = {"mlx-lm": [], "shmcache": []}
         for _ in range(args.rounds):
             res["mlx-lm"].append(run_mlx_lm(model, prompts, args.tokens))
-            res["shmcache"].append(run_engine(model, prompts, args.tokens, dtype))
-        rows.append((b, res))
+            res["shmcache"].append(run_engine(model, prompts, args.tokens, layout))
         ratio = [s[0] / m[0] for s, m in zip(res["shmcache"], res["mlx-lm"])]
         line = [f"B={b}"]
         for k, v in res.items():

@@ -105,7 +105,6 @@ class PoolLock:
         self._counters = counters
         self._on_dirty = on_dirty
         self._tlock = threading.RLock()
-        self._owner = 0             # the thread holding (or taking) _tlock, 0: none
         self._depth = 0
         self._keep_dirty = 0
         self.check_usable: Any = None    # raises once the owner is closed or forked
@@ -122,7 +121,6 @@ class PoolLock:
         if self._depth:
             self._depth += 1
             return self
-        self._owner = threading.get_ident()
         try:
             if self.unusable:
                 # before the mutex: a closed manager's mapping may be gone,
@@ -135,7 +133,6 @@ class PoolLock:
             if self.trace:
                 self._locked = time.monotonic_ns()
         except BaseException:
-            self._owner = 0
             self._tlock.release()
             raise
         self._depth = 1
@@ -183,7 +180,6 @@ class PoolLock:
                     self.release_claims()
                 self._unlock()
             finally:
-                self._owner = 0
                 self._tlock.release()
             raise
         self._counters.mark_dirty()
@@ -213,7 +209,6 @@ class PoolLock:
             finally:
                 if self.trace:
                     self.native.trace_hold(self._asked, self._locked, time.monotonic_ns())
-                self._owner = 0
                 self._tlock.release()
         return False
 
@@ -236,8 +231,10 @@ class PoolLock:
         return self._depth > 0
 
     def owned_here(self) -> bool:
-        """Whether this thread holds the lock, or is taking it."""
-        return self._owner == threading.get_ident()
+        """Whether this thread holds the lock, or is taking it (it holds
+        ``_tlock`` from the start of ``__enter__``). RLock's own ownership
+        test, asked on slow paths only: a hold pays nothing for it."""
+        return self._tlock._is_owned()
 
     def keep_dirty(self) -> None:
         """Leave the pool marked dirty when this hold ends (lock held): its

@@ -220,3 +220,19 @@ def test_idle_workers_lend_their_cores_to_the_busy_one(model_dir, reference):
         r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24,
                                       temperature=0)
         assert got(r) == reference.greedy(prompt, 24)
+
+
+@pytest.mark.timeout(120)
+def test_an_empty_blas_threads_setting_starts_workers_with_their_share(model_dir, reference,
+                                                                       monkeypatch):
+    """SHMCACHE_BLAS_THREADS set but empty (as container env files write it)
+    is no choice: the workers start with their share of the CPUs and serve."""
+    monkeypatch.setenv("SHMCACHE_BLAS_THREADS", "")
+    with serving(model_dir, "--workers", 2, "--max-blocks", 64) as srv:
+        share = str(max(1, len(os.sched_getaffinity(0)) // 2))
+        assert [w.environ().get("SHMCACHE_BLAS_THREADS") for w in srv.worker_procs()] == \
+            [share] * 2
+        prompt = printable(random.Random(5), 20)
+        r = srv.client().completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4,
+                                            temperature=0)
+        assert got(r) == reference.greedy(prompt, 4)

@@ -83,15 +83,23 @@ _state = _State()
 
 
 # ------------------------------------------------------------ threads
+def threads_from_env(environ=None) -> int | None:
+    """``SHMCACHE_BLAS_THREADS`` of ``environ`` (default ``os.environ``) as a
+    positive int; None where it is unset, empty or not one."""
+    raw = (os.environ if environ is None else environ).get("SHMCACHE_BLAS_THREADS", "").strip()
+    try:
+        n = int(raw)
+    except ValueError:
+        return None
+    return n if n >= 1 else None
+
+
 def _default_threads() -> int:
+    n = threads_from_env()
+    if n is not None:
+        return n
     raw = os.environ.get("SHMCACHE_BLAS_THREADS", "").strip()
     if raw:
-        try:
-            n = int(raw)
-            if n >= 1:
-                return n
-        except ValueError:
-            pass
         warnings.warn(f"shmcache.system.blas: SHMCACHE_BLAS_THREADS={raw!r} is not a positive "
                       "integer; using 1", RuntimeWarning, stacklevel=3)
     return 1

@@ -49,7 +49,7 @@ from typing import AsyncIterator, Callable, Optional
 from .. import wire
 from ..protocol import Error, SampleDone, SamplingParams, Started, Tokens
 from .worker_procs import (DEFAULT_MAX_RERUNS, DEFAULT_STALL_S, Flight, WorkerProc,
-                           WorkerProcesses, blas_threads_per_worker, core_shares, cpus_available)
+                           WorkerProcesses, core_shares)
 
 
 class WorkerBackend:
@@ -99,8 +99,6 @@ class WorkerBackend:
         # lend idle workers' cores to busy ones (asked for, and the operator
         # did not choose the threads)
         self.lend_cores = lend_cores and not os.environ.get("SHMCACHE_BLAS_THREADS", "").strip()
-        self.cpus = cpus_available()
-        self.blas_share = blas_threads_per_worker(workers)     # each worker's own threads
         self._changed = asyncio.Event()    # set (and replaced) when a flight moves on
         self.pool_name = pool_name or f"serve-{os.getpid()}"
         self._ids = itertools.count(1)
@@ -201,7 +199,7 @@ class WorkerBackend:
             return
         live = self.procs.live()
         busy = [w for w in live if w.flights]
-        n = core_shares(len(busy), self.cpus, self.blas_share)
+        n = core_shares(len(busy), self.procs.cpus, self.procs.blas_share)
         for w in busy:
             if w.blas_threads != n:
                 try:

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
 import msgspec
 
 import shmcache
+from shmcache.system.blas import threads_from_env
 
 from .. import wire
 from ..protocol import Error, SamplingParams
@@ -289,6 +290,8 @@ class WorkerProcesses:
         self.stall_s = stall_s
         self.max_reruns = max_reruns
         self.max_working_bytes = max_working_bytes
+        self.cpus = cpus_available()
+        self.blas_share = blas_threads_per_worker(n_workers)   # each worker's own BLAS threads
         self.mgr: Optional[PagedCacheManager] = None   # the pool, from prepare() to close()
         self.layout: Optional[dict] = None             # its layout, as pool_layout read it
         self.context_length: Optional[int] = None      # the model's, from its config (None: unknown)
@@ -398,8 +401,11 @@ class WorkerProcesses:
         env = dict(os.environ)
         # the CPUs shared out among the workers: each one's BLAS gets its
         # share as threads (at least 1), unless the operator chose
-        env.setdefault("SHMCACHE_BLAS_THREADS", str(blas_threads_per_worker(self.n_workers)))
-        w.blas_threads = int(env["SHMCACHE_BLAS_THREADS"])
+        if not env.get("SHMCACHE_BLAS_THREADS", "").strip():
+            env["SHMCACHE_BLAS_THREADS"] = str(self.blas_share)
+        # what the worker will run: the operator's value, or 1 where that is
+        # not a positive integer (shmcache.system.blas warns, there)
+        w.blas_threads = threads_from_env(env) or 1
         extra: list[str] = []
         if self.l2_url:
             if self.l2_secret is not None:

@@ -110,7 +110,6 @@ class PoolView:
         lay = self.layout = L.layout_from_header(h, self.size, f"pool {self.name!r}")
         self.mm = mmap.mmap(self.fd, lay.arena_off, mmap.MAP_SHARED, mmap.PROT_READ)
         self.counter_array = np.frombuffer(self.mm, np.int64, L.NUM_COUNTERS, lay.counters_off)
-        self.c = self.counter_array
         # the same by name, over the read-only mapping: read, never written
         self.counters = Counters.from_address(self.counter_array.ctypes.data)
         self.slots = np.frombuffer(self.mm, L.SLOT_DTYPE, lay.max_slots, lay.slots_off)

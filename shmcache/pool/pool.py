@@ -318,11 +318,6 @@ class Pool:
             # count (they check every chunk id they read against it)
             native.set_chunks(self.layout.num_chunks)
             return native, NativeOps(native, self.c, self.t_claim)
-        if getattr(native, "alloc", None) is not None:
-            # a _hot built for an older layout: the same mutex through ctypes,
-            # and the fused ops in Python
-            native.release()
-            native = open_hot(self.mm, self.layout, self.created_at, accelerated=False)
         return native, ReferenceOps(self.c, self.t_claim)
 
     # ------------------------------------------------------------------ setup

@@ -132,8 +132,9 @@ OPERATIONS = tuple(name for name, value in vars(ReferenceOps).items()
 
 class NativeOps(ReferenceOps):
     """The C accelerator's operations: each attribute in ``OPERATIONS`` is
-    the compiled object's method itself (no Python call in between); one
-    the object lacks keeps the reference's."""
+    the compiled object's method itself (no Python call in between). A
+    build without one of them fails here, at attach (``lock.open_hot`` takes
+    only a build made for this layout, which has them all)."""
 
     native = True
 
@@ -141,7 +142,5 @@ class NativeOps(ReferenceOps):
         super().__init__(counters, claims)
         self.hot = hot
         for name in OPERATIONS:
-            op = getattr(hot, name, None)
-            if op is not None:
-                setattr(self, name, op)
+            setattr(self, name, getattr(hot, name))
 

@@ -62,9 +62,11 @@ if _hot is not None and getattr(_hot, "PARAM_NAMES", None) != L.HOT_PARAM_NAMES:
 ACCELERATED = _hot is not None
 
 
-def open_hot(mm, lay, created_at: float, accelerated: bool = ACCELERATED):
-    """The mutex (and fused operations) over mapping ``mm`` of a pool."""
-    if accelerated and _hot is not None:
+def open_hot(mm, lay, created_at: float):
+    """The mutex (and fused operations) over mapping ``mm`` of a pool: the C
+    accelerator's where it is built for this layout (and not switched off),
+    else the reference mutex."""
+    if ACCELERATED and _hot is not None:
         return _hot.Hot(mm, L.hot_params(lay), created_at)
     return reference_mutex(mm)
 

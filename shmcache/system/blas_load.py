@@ -22,31 +22,28 @@ def sym(lib, name):
         return None
 
 
-# each BLAS's thread-count setter and the C type of its argument
-_THREAD_SETTERS = (("openblas_set_num_threads", ctypes.c_int),
-                   ("bli_thread_set_num_threads", ctypes.c_int64),
-                   ("MKL_Set_Num_Threads", ctypes.c_int),
-                   ("flexiblas_set_num_threads", ctypes.c_int))
+# each BLAS's thread-count setter and getter, and the C type of the count
+_THREAD_CALLS = (("openblas_set_num_threads", "openblas_get_num_threads", ctypes.c_int),
+                 ("bli_thread_set_num_threads", "bli_thread_get_num_threads", ctypes.c_int64),
+                 ("MKL_Set_Num_Threads", "MKL_Get_Max_Threads", ctypes.c_int),
+                 ("flexiblas_set_num_threads", "flexiblas_get_num_threads", ctypes.c_int))
 
 
 def set_threads(lib, n: int) -> None:
     """Sets the library's thread count to n with each thread setter it exports."""
-    for name, arg in _THREAD_SETTERS:
-        f = sym(lib, name)
+    for setter, _, ctype in _THREAD_CALLS:
+        f = sym(lib, setter)
         if f is not None:
-            f.argtypes, f.restype = [arg], None
+            f.argtypes, f.restype = [ctype], None
             f(n)
 
 
 def get_threads(lib) -> int | None:
     """The library's thread count, or None if it exports no getter we know."""
-    for name, restype in (("openblas_get_num_threads", ctypes.c_int),
-                          ("bli_thread_get_num_threads", ctypes.c_int64),
-                          ("MKL_Get_Max_Threads", ctypes.c_int),
-                          ("flexiblas_get_num_threads", ctypes.c_int)):
-        f = sym(lib, name)
+    for _, getter, ctype in _THREAD_CALLS:
+        f = sym(lib, getter)
         if f is not None:
-            f.argtypes, f.restype = [], restype
+            f.argtypes, f.restype = [], ctype
             return int(f())
     return None
 

@@ -131,8 +131,6 @@ class RobustMutex:
     reference implementation; ``_hot`` drives the same mutex in C.
     """
 
-    alloc = free = None
-
     def __init__(self, mm, mutex_off: int, dirty_off: int) -> None:
         self._anchor = ctypes.c_char.from_buffer(mm, mutex_off)
         self._m = ctypes.c_void_p(ctypes.addressof(self._anchor))

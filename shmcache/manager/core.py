@@ -70,10 +70,6 @@ class BlockLedger:
     def refs(self) -> "RefStore":
         return self.holder.refs
 
-    @property
-    def epoch(self) -> int:
-        return self.holder.epoch
-
     # ================================================================ ids
     def bid(self, block) -> int:
         """The id of ``block`` (a block or an int), checked to be in range."""

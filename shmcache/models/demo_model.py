@@ -248,13 +248,9 @@ def demo_model_path(cache_dir=None) -> Path:
     return Path(cache_dir) / f"demo-model-v{DEMO_VERSION}"
 
 
-def _complete(path: Path) -> bool:
-    return all((path / f).is_file() for f in _REQUIRED)
-
-
 def complete_model_dir(path: Path) -> bool:
     """Whether ``path`` holds a whole model directory (the files a reader needs)."""
-    return _complete(path)
+    return all((path / f).is_file() for f in _REQUIRED)
 
 
 def build_dir_atomically(target: Path, build) -> Path:
@@ -271,7 +267,7 @@ def build_dir_atomically(target: Path, build) -> Path:
         try:
             os.rename(tmp, target)
         except OSError:
-            if _complete(target):                          # another builder won the race
+            if complete_model_dir(target):                          # another builder won the race
                 return target
             aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
             try:
@@ -282,7 +278,7 @@ def build_dir_atomically(target: Path, build) -> Path:
             try:
                 os.rename(tmp, target)
             except OSError:
-                if not _complete(target):
+                if not complete_model_dir(target):
                     raise
         return target
     finally:
@@ -301,9 +297,8 @@ def ensure_demo_model(cache_dir=None, progress: bool = True) -> Path:
     to stderr when it builds.
     """
     target = demo_model_path(cache_dir)
-    if _complete(target):
+    if complete_model_dir(target):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     if progress:
         print(f"shmcache: building the demo model ({DEMO_ARCH}, {NUM_LAYERS} layers, hidden "
               f"{HIDDEN_SIZE}, random weights) in {target} ...", file=sys.stderr, flush=True)

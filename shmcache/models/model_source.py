@@ -27,6 +27,7 @@ import os
 from pathlib import Path
 from typing import Callable, Optional
 
+from .demo_model import complete_model_dir
 from .gguf import UnsupportedModelError
 
 __all__ = ["resolve_model", "ModelNotFoundError", "default_gguf", "models_cache_dir",
@@ -69,11 +70,6 @@ def cached_dir_for(gguf: Path, quantized: bool, cache_dir: Optional[Path] = None
     return Path(cache_dir or models_cache_dir()) / f"{gguf.stem}-{'q' if quantized else 'f32'}-{key}"
 
 
-def _complete(path: Path) -> bool:
-    from .demo_model import complete_model_dir
-    return complete_model_dir(path)
-
-
 def convert_cached(gguf, *, quantized: bool = False, cache_dir=None,
                    log: Optional[Callable[[str], None]] = print) -> Path:
     """The cached conversion of the GGUF file ``gguf``, made on first use."""
@@ -82,7 +78,7 @@ def convert_cached(gguf, *, quantized: bool = False, cache_dir=None,
     if not gguf.is_file():
         raise ModelNotFoundError(f"no such GGUF file: {gguf}")
     target = cached_dir_for(gguf, quantized, cache_dir)
-    if _complete(target):
+    if complete_model_dir(target):
         return target
     from .demo_model import build_dir_atomically
     build_dir_atomically(target, lambda tmp: convert(gguf, tmp, quantized=quantized, log=log))

@@ -311,15 +311,15 @@ def _run(args, sock) -> int:
             backend = WorkerBackend(model=model, workers=args.workers, max_blocks=args.max_blocks,
                                     block_size=args.block_size, l2=l2,
                                     cluster_secret=secret if l2 else None,
-                                    l2_timeout=getattr(args, "l2_timeout", None),
-                                    l2_retry=getattr(args, "l2_retry", None),
-                                    l2_ttl=getattr(args, "l2_ttl", None),
-                                    pool_name=getattr(args, "pool_name", None),
-                                    prefill_step=getattr(args, "prefill_step", 512),
-                                    lend_cores=getattr(args, "lend_cores", False),
-                                    stall_s=getattr(args, "worker_timeout", 10.0),
-                                    max_working_bytes=getattr(args, "max_working_bytes", None),
-                                    max_reruns=max(0, getattr(args, "max_reruns", 2)))
+                                    l2_timeout=args.l2_timeout,
+                                    l2_retry=args.l2_retry,
+                                    l2_ttl=args.l2_ttl,
+                                    pool_name=args.pool_name,
+                                    prefill_step=args.prefill_step,
+                                    lend_cores=args.lend_cores,
+                                    stall_s=args.worker_timeout,
+                                    max_working_bytes=args.max_working_bytes,
+                                    max_reruns=max(0, args.max_reruns))
             if template is not None:
                 # the HF tokenizer's template, used by apply_chat_template
                 backend.tokenizer._tokenizer.chat_template = template

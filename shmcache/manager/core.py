@@ -89,7 +89,7 @@ class BlockLedger:
         n = self.max_blocks
         for b in blocks:
             if type(b) is SharedBlock and b.ledger is self:
-                out.append(b.block_id)
+                out.append(b._id)             # this ledger's own view: no property call
             elif type(b) is int and 0 <= b < n:
                 out.append(b)
             else:

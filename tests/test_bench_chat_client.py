@@ -43,7 +43,7 @@ class _Server:
                     outer.peak = max(outer.peak, outer.in_flight)
                     outer.seen.append(body["messages"])
                     n = len(outer.seen)
-                time.sleep(0.05)
+                time.sleep(0.3)          # long enough for every client thread to arrive
                 chunks = [{"choices": [{"delta": {"content": f"r{n} "}}]},
                           {"choices": [], "usage": {"completion_tokens": 1,
                                                     "prompt_tokens": 5}}]

@@ -55,7 +55,6 @@ def run_mlx_lm(model, prompts: list, tokens: int) -> tuple:
 
 def run_engine(model, prompts: list, tokens: int, layout: dict) -> tuple:
     import shmcache
-    from shmcache.shm import segment
     from workers.protocol import SamplingParams
     from workers.wire import Gen
     from workers.worker.engine import Engine
@@ -81,8 +80,7 @@ def run_engine(model, prompts: list, tokens: int, layout: dict) -> tuple:
             raise RuntimeError(f"the engine failed a request: {failed[0]}")
         return _decode_median(steps, tokens), wall
     finally:
-        mgr.destroy()
-        segment.unlink(name)
+        mgr.destroy()                   # (removes the segment: this manager created it)
 
 
 def main(argv=None) -> int:

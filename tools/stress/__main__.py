@@ -88,7 +88,6 @@ def totals(children) -> dict:
 
 def parent_main(args) -> int:
     import shmcache
-    from shmcache.shm import layout as L
     from shmcache.shm import segment
     # Ctrl-C stops the run even when started with SIGINT ignored (a background job)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -157,7 +156,7 @@ def parent_main(args) -> int:
             if r.get("error"):
                 errors.append(f"worker {c.proc.pid}: {r['error'][-300:]}")
         errors += [f"worker {pid} did not stop in time (SIGKILLed)" for pid in stuck]
-        report = final_report(args, m, L, children, elapsed, kills, demand, errors)
+        report = final_report(args, m, children, elapsed, kills, demand, errors)
         report["waiter_kills"] = waiter_kills
     finally:
         for c in children:
@@ -226,7 +225,7 @@ def stop_children(children) -> list:
     return stuck
 
 
-def final_report(args, m, L, children, elapsed, kills, demand, errors) -> dict:
+def final_report(args, m, children, elapsed, kills, demand, errors) -> dict:
     from shmcache.pool import recovery
     reclaimed = m.reclaim_dead()
     problems = m.check()
@@ -249,7 +248,7 @@ def final_report(args, m, L, children, elapsed, kills, demand, errors) -> dict:
         "violations": len(problems) + t["violations"],
         "payload_mismatches": t["payload_mismatches"],
         "leaked_blocks": scan["allocated_blocks"] - 1,
-        "max_lock_wait_s": int(m.internals.pool.counters.lock_wait_ns) / 1e9,
+        "max_lock_wait_s": int(m.pool.counters.lock_wait_ns) / 1e9,
         "lock_wait_p99_s": lock_wait_p99(children),
         "lock_waits": sum(int(c.result().get("lock_waits", 0)) for c in children),
         "peak_rss_bytes": max((p["peak_rss_bytes"] for p in procs), default=0),
@@ -258,11 +257,11 @@ def final_report(args, m, L, children, elapsed, kills, demand, errors) -> dict:
         "parent_rss_bytes": me.rss, "parent_pss_bytes": getattr(me, "pss", 0),
         "segments_left": None,
         "violation_details": (problems + details)[:20], "mismatch_details": mism[:20],
-        "tables_left": int(m.internals.pool.counters.num_tables), "holders_left": len(others),
+        "tables_left": int(m.pool.counters.num_tables), "holders_left": len(others),
         "worker_errors": len(errors) + t["self_leaks"], "error_details": errors[:10],
         "capacity_errors": t["capacity_errors"], "verified_blocks": t["verified_blocks"],
-        "reclaimed_at_end": reclaimed, "recoveries": int(m.internals.pool.counters.recoveries),
-        "reclaimed_refs_total": int(m.internals.pool.counters.reclaimed),
+        "reclaimed_at_end": reclaimed, "recoveries": int(m.pool.counters.recoveries),
+        "reclaimed_refs_total": int(m.pool.counters.reclaimed),
         "cache_hits": stats.cache_hits, "cache_misses": stats.cache_misses,
         "cow_copies": stats.cow_copies, "evictions": stats.evictions,
         "seconds": round(elapsed, 2), "processes": args.processes,

@@ -10,6 +10,10 @@ random weights: the ``lm`` fixture of ``_mlx_lm``).
   computes more than ``prefill_step`` prompt tokens.
 * A request cancelled in the middle of its prefill stops there: its table
   is deleted, the blocks it published stay cached.
+* A prefill handed over (``Gen.handoff``) is computed on one engine and
+  kept; another engine adopts its table (``Gen.adopt``) and decodes with
+  no prompt token computed, mlx-lm's tokens; a table gone falls back to
+  computing.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class Events:
         self.progress: list = []
         self.steps: list = []
         self.failed: list = []
+        self.handoff: list = []
 
     def __call__(self, kind, payload):
         if kind == "step":
@@ -53,6 +58,8 @@ class Events:
             self.progress.append(payload)
         elif kind == "failed":
             self.failed.append(payload)
+        elif kind == "handoff":
+            self.handoff.append(payload)
 
 
 def gen(rid, prompt, max_tokens):
@@ -195,3 +202,60 @@ def test_requests_admitted_together_share_one_prefill_forward(lm, pools):  # noq
     assert {i: ev.tokens[i] for i in prompts} == want
     assert ev.tokens[1] == reference(lm.model, first, 30)
     eng.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_handed_over_prefill_is_decoded_by_another_engine_computing_nothing(lm, pools):  # noqa: F811
+    """Engine A computes a prompt for a handoff and keeps its table; engine
+    B (another worker, here in this process) adopts it beside a running
+    request: B's only forward passes are decode steps, and the tokens are
+    mlx-lm's. Unparked, the table is gone; adopting a table that is gone
+    computes the prompt instead (its published blocks from the cache);
+    cancelling a parked request drops its table."""
+    pool = pools(block_size=BS, max_blocks=512, **lm.layout)
+    ev_a, ev_b = Events(), Events()
+    eng_a = Engine(pool, lm.model, [], ev_a, worker_id=0, prefill_step=2 * BS)
+    model_b = Counting(lm.model)
+    eng_b = Engine(pool, model_b, [], ev_b, worker_id=1, prefill_step=2 * BS)
+    rng = random.Random(13)
+    vocab = lm.model.args.vocab_size
+    prompt = [rng.randrange(vocab) for _ in range(5 * BS + 3)]
+    want = reference(lm.model, prompt, 10)
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+
+    eng_a.submit(Gen(1, list(prompt), params, 1, handoff=True))
+    run(eng_a)
+    assert len(ev_a.handoff) == 1 and ev_a.tokens == {} and ev_a.admitted == {}
+    rid, table, stored, cached = ev_a.handoff[0]
+    assert (rid, stored, cached) == (1, len(prompt) - 1, 0)
+    assert pool.get_block_table(table).num_tokens == len(prompt) - 1
+
+    other = [rng.randrange(vocab) for _ in range(7)]
+    eng_b.submit(gen(9, other, 30))              # B is decoding when the handoff arrives
+    eng_b.step()
+    model_b.shapes.clear()
+    eng_b.submit(Gen(1, list(prompt), params, 1, adopt=table))
+    run(eng_b)
+    assert ev_b.failed == []
+    assert all(t == 1 for _, t in model_b.shapes), model_b.shapes    # decode steps only
+    assert ev_b.admitted[1][2] == len(prompt) - 1
+    assert ev_b.tokens[1] == want
+    assert ev_b.tokens[9] == reference(lm.model, other, 30)
+    eng_a.unpark(1)
+    assert pool.get_block_table(table) is None
+
+    # the table is gone (its worker died, say): B computes the rest
+    eng_b.submit(Gen(2, list(prompt), params, 1, adopt=table))
+    run(eng_b)
+    assert ev_b.admitted[2][2] == len(prompt) // BS * BS           # the published blocks
+    assert ev_b.tokens[2] == want
+
+    eng_a.submit(Gen(3, list(prompt) + [1, 2, 3], params, 1, handoff=True))
+    run(eng_a)
+    parked = ev_a.handoff[-1][1]
+    assert pool.get_block_table(parked) is not None
+    eng_a.cancel(3)
+    assert pool.get_block_table(parked) is None
+    eng_a.close()
+    eng_b.close()
+    assert len(pool.request_tables) == 0

@@ -1,7 +1,8 @@
 """End-to-end tests of ``shmcache serve``'s supervisor
 (``workers.supervisor.backend`` and ``worker_procs``): the least-loaded routing
 sends a request to another worker, which finds the prefix in the shared pool;
-a worker killed mid-request is restarted and its request re-run.
+a worker killed mid-request is restarted and its request re-run; a long
+prompt is prefilled on an idle worker and handed over to a decoding one.
 
 The server is a real subprocess with real workers (``tests/_serve_proc.py``
 says how, and how it is checked and stopped).
@@ -28,7 +29,8 @@ __all__ = ["model_dir", "reference"]
 
 @pytest.fixture(scope="module")
 def two_workers(model_dir):
-    with serving(model_dir, "--workers", 2, "--max-blocks", 256) as srv:
+    # the least-loaded routing (no prefill handoff, which packs decoding rows)
+    with serving(model_dir, "--workers", 2, "--max-blocks", 256, "--handoff-tokens", 0) as srv:
         yield srv
 
 
@@ -236,3 +238,60 @@ def test_an_empty_blas_threads_setting_starts_workers_with_their_share(model_dir
         r = srv.client().completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4,
                                             temperature=0)
         assert got(r) == reference.greedy(prompt, 4)
+
+
+def _running(text: str) -> dict:
+    return {int(m.group(1)): float(m.group(2)) for m in re.finditer(
+        r'^shmcache_worker_requests_running\{worker="(\d+)"\} ([0-9.]+)$', text, re.M)}
+
+
+@pytest.mark.timeout(300)
+def test_a_long_prompt_is_prefilled_on_the_idle_worker_and_decoded_beside_the_busy_one(
+        model_dir, reference):
+    """Prefill handoff, with real workers: worker 0 decodes a long stream
+    (a short prompt: no handoff); a 600-token prompt arrives, is computed by
+    worker 1 (which decodes nothing) and handed over, through the pool, to
+    worker 0, which decodes both. The answer is the reference's, the client
+    is told the prompt was not cached (the handoff's count, not the
+    adopter's), /metrics counts one handoff, and once idle no block is held
+    (the parked table was dropped). A later turn (a few new tokens) goes
+    straight to the decoding worker."""
+    with serving(model_dir, "--workers", 2, "--max-blocks", 256, "--handoff-tokens", 32) as srv:
+        client = srv.client()
+        rng = random.Random(909)
+        w0, w1 = srv.worker_procs()
+        busy_prompt = printable(rng, 20)
+        busy = client.completions.create(model=MODEL_NAME, prompt=busy_prompt, max_tokens=300,
+                                         temperature=0, stream=True)
+        it = iter(busy)
+        busy_parts = [next(it).choices[0].text]
+        assert _running(srv.get("/metrics").text) == {0: 1, 1: 0}
+        assert srv.metric("shmcache_prefill_handoffs_total") == 0
+        cpu1 = sum(w1.cpu_times()[:2])
+        long_prompt = printable(rng, 600)
+        stream = client.completions.create(model=MODEL_NAME, prompt=long_prompt, max_tokens=24,
+                                           temperature=0, stream=True,
+                                           stream_options={"include_usage": True})
+        chunks = iter(stream)
+        parts = [next(chunks).choices[0].text]
+        # decoded on worker 0, beside the busy stream; computed on worker 1
+        assert _running(srv.get("/metrics").text) == {0: 2, 1: 0}
+        assert sum(w1.cpu_times()[:2]) - cpu1 >= 0.03, "worker 1 computed nothing"
+        usage = None
+        for c in chunks:
+            parts.extend(ch.text for ch in c.choices)
+            usage = c.usage or usage
+        assert "".join(parts) == reference.greedy(long_prompt, 24).text
+        assert usage.prompt_tokens_details.cached_tokens == 0
+        assert srv.metric("shmcache_prefill_handoffs_total") == 1
+
+        later = long_prompt + printable(rng, 6)
+        r = client.completions.create(model=MODEL_NAME, prompt=later, max_tokens=8,
+                                      temperature=0)
+        assert got(r) == reference.greedy(later, 8)
+        assert r.usage.prompt_tokens_details.cached_tokens >= len(long_prompt) // BS * BS
+        assert srv.metric("shmcache_prefill_handoffs_total") == 1
+        for chunk in it:
+            busy_parts.extend(c.text for c in chunk.choices)
+        assert "".join(busy_parts) == reference.greedy(busy_prompt, 300).text
+        srv.wait_idle()

@@ -29,9 +29,21 @@ class Gen(msgspec.Struct, tag="gen"):
     prompt: list[int]
     params: SamplingParams
     seed: int                      # the request's seed (the supervisor picks one if unset)
+    # a prefill handed over through the pool (``Handoff``): ``handoff``:
+    # compute prompt[:-1], keep its table, report ``Handoff`` and decode
+    # nothing; ``adopt``: start from a fork of that table (another worker's,
+    # named here) instead of computing; gone, the request computes as usual
+    handoff: bool = False
+    adopt: str = ""
 
 
 class Cancel(msgspec.Struct, tag="cancel"):
+    id: int
+
+
+class Unpark(msgspec.Struct, tag="unpark"):
+    """Drop the table kept for request ``id`` after its ``Handoff`` (the
+    worker that adopted it has its own fork now, or the request is gone)."""
     id: int
 
 
@@ -45,7 +57,7 @@ class Threads(msgspec.Struct, tag="threads"):
     n: int
 
 
-ToWorker = Union[Gen, Cancel, Stop, Threads]
+ToWorker = Union[Gen, Cancel, Unpark, Stop, Threads]
 
 
 # ----------------------------------------------------------- from a worker
@@ -66,6 +78,16 @@ class Progress(msgspec.Struct, tag="progress"):
     is taken and after each chunk)."""
     id: int
     stored: int
+
+
+class Handoff(msgspec.Struct, tag="handoff"):
+    """A ``Gen(handoff=True)``'s prompt[:-1] is in the pool: its full blocks
+    published and all of it in the table ``table``, kept until ``Unpark``;
+    ``cached``: the tokens it found in the pool before computing."""
+    id: int
+    table: str
+    stored: int
+    cached: int
 
 
 class Step(msgspec.Struct, tag="step"):
@@ -91,7 +113,7 @@ class Load(msgspec.Struct, tag="load"):
     blas_threads: int = 0          # the threads its BLAS runs now (0: unknown)
 
 
-FromWorker = Union[Ready, Admitted, Progress, Step, Failed, Load]
+FromWorker = Union[Ready, Admitted, Progress, Handoff, Step, Failed, Load]
 
 _LEN = struct.Struct("<I")
 

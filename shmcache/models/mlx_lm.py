@@ -171,6 +171,25 @@ class PoolSequence:
             raise
         return PendingSequence(cls, mgr, table, tokens, extra_keys, cached // bs, chain, lookup)
 
+    @classmethod
+    def adopt(cls, mgr, source: str, request_id: str,
+              extra_keys=None) -> Optional["PoolSequence"]:
+        """A new sequence over a fork of the table ``source`` (any
+        process's: a prefill another worker computed and keeps for this one),
+        or None when that table no longer exists (its owner died or dropped
+        it). Every block is shared, the partial last one too (copied on the
+        first append); ``stored`` is the table's token count, and its full
+        blocks are taken as published (the computing worker published them).
+        """
+        src = mgr.get_block_table(source)
+        if src is None:
+            return None
+        try:
+            table = mgr.fork_block_table(src, request_id)
+        except KeyError:                 # dropped between the two calls
+            return None
+        return cls(mgr, table, extra_keys)
+
     def fork(self, request_id: str) -> "PoolSequence":
         """A sequence over a fork of this one's table (``fork_block_table``),
         same salt; everything staged must be committed first."""

@@ -29,6 +29,16 @@ def default_workers() -> int:
     return max(1, min(os.cpu_count() or 1, 8))
 
 
+def _non_negative(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, not {v}")
+    return v
+
+
 def _positive(text: str) -> int:
     try:
         v = int(text)
@@ -150,6 +160,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "for its running requests (rounded down to whole blocks; default: "
                         "%(default)s). Larger: faster prefill; smaller: shorter pauses in the "
                         "replies streaming from the same worker")
+    p.add_argument("--handoff-tokens", metavar="N", type=_non_negative, default=32,
+                   help="a request with at least N prompt tokens the pool does not hold is "
+                        "prefilled by a worker that decodes nothing and handed over, through "
+                        "the pool, to a decoding worker, whose replies then never pause for a "
+                        "long prompt (default: %(default)s; 0: off, each request is prefilled "
+                        "where it decodes; off with one worker)")
+    p.add_argument("--pack-rows", metavar="N", type=_positive, default=4,
+                   help="with handoff: a decoding worker takes new requests until it decodes "
+                        "N samples before an idle worker starts decoding (a CPU decode step "
+                        "costs about the same for 1 row or 4; default: %(default)s)")
     p.add_argument("--lend-cores", action="store_true",
                    help="let a worker with requests run BLAS on the cores of the idle workers "
                         "(their share of the CPUs, which they leave unused); off by default: "
@@ -317,6 +337,8 @@ def _run(args, sock) -> int:
                                     pool_name=args.pool_name,
                                     prefill_step=args.prefill_step,
                                     lend_cores=args.lend_cores,
+                                    handoff_tokens=args.handoff_tokens,
+                                    pack_rows=args.pack_rows,
                                     stall_s=args.worker_timeout,
                                     max_working_bytes=args.max_working_bytes,
                                     max_reruns=max(0, args.max_reruns))

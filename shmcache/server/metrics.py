@@ -44,6 +44,9 @@ BACKEND_STATS = (
     ("lock_queue", "pool_lock_queue", "gauge", "operations waiting for their turn at the pool lock"),
     ("preemptions", "preemptions", "counter", "requests preempted for lack of pool blocks"),
     ("worker_restarts", "worker_restarts", "counter", "worker processes restarted after dying"),
+    ("prefill_handoffs", "prefill_handoffs", "counter",
+     "prompts prefilled on one worker and handed over, through the pool, to a decoding one "
+     "(--handoff-tokens)"),
     ("workers_alive", "workers_alive", "gauge", "worker processes alive"),
     # the L2 (Redis) tier: present with --l2 only
     ("l2_up", "l2_up", "gauge", "1 while every worker finds the L2 (Redis) answering, 0 in an "

@@ -13,6 +13,23 @@ every worker is busy, and the prompt is computed once. A worker's load
 counts the samples it runs or will run plus its prefill work still to do,
 in steps of ``prefill_step`` tokens.
 
+Prefill handoff (``handoff_tokens``, on by default with two or more
+workers). On a CPU a decode step reads every weight once whatever its rows
+(1 row or 4 cost about the same), while a prefill is bound by compute. So a
+request with at least ``handoff_tokens`` prompt tokens the pool does not
+hold is sent first, for its prefill only (``Gen.handoff``), to a worker
+that decodes nothing (the fewest rows, then the least prefill queued); that
+worker computes it into the pool and keeps its table (``Handoff``). The
+request then goes (``Gen.adopt``) to a decoding worker: the fullest one
+with room under ``pack_rows`` rows and no prefill queued, else the emptiest
+without prefill. It forks the table and joins its batch with nothing to
+compute; once it says so (``Admitted``) the first worker drops its table
+(``Unpark``). The decoding workers' batches fill up and never stop for a
+long prompt, and the prompts are computed on the other workers' cores at
+the same time. A shorter rest (a later chat turn whose history is cached
+save a few tokens) goes straight to a decoding worker. If the prefilling
+worker dies after its handoff, the adopter computes what the pool lacks.
+
 When a worker dies, the pool releases what it held (``reclaim_dead``), a
 new worker is started in its place, and its requests are re-run on the
 others from their prompts. Sampling is seeded per request and sample, so
@@ -46,6 +63,8 @@ import random
 from pathlib import Path
 from typing import AsyncIterator, Callable, Optional
 
+import msgspec
+
 from .. import wire
 from ..protocol import Error, SampleDone, SamplingParams, Started, Tokens
 from .worker_procs import (DEFAULT_MAX_RERUNS, DEFAULT_STALL_S, Flight, WorkerProc,
@@ -73,6 +92,11 @@ class WorkerBackend:
         max_reruns: re-runs of one request after worker deaths.
         max_working_bytes: each worker's working K/V bytes (None: half the
             memory shared among the workers).
+        handoff_tokens: a request with at least this many prompt tokens not
+            in the pool is prefilled on a worker that decodes nothing and
+            handed over (0: never; never with one worker).
+        pack_rows: with handoff, a decoding worker takes new requests until
+            it runs this many samples, before an idle worker starts decoding.
 
     ``startup_cancelled`` (a callable, set after construction) is polled
     while the workers load the model: True stops ``start``.
@@ -85,7 +109,8 @@ class WorkerBackend:
                  l2_retry: Optional[float] = None, l2_ttl: Optional[int] = None,
                  prefill_step: int = 512, lend_cores: bool = False,
                  stall_s: float = DEFAULT_STALL_S, max_reruns: int = DEFAULT_MAX_RERUNS,
-                 max_working_bytes: Optional[int] = None) -> None:
+                 max_working_bytes: Optional[int] = None, handoff_tokens: int = 32,
+                 pack_rows: int = 4) -> None:
         from mlx_lm.utils import load_tokenizer
         self.path = Path(model)
         if not (self.path / "config.json").is_file():
@@ -96,6 +121,13 @@ class WorkerBackend:
         self.max_n = max_n
         self.block_size = block_size
         self.prefill_step = max(block_size, prefill_step // block_size * block_size)
+        if handoff_tokens < 0 or pack_rows < 1:
+            raise ValueError(f"handoff_tokens must be >= 0 (got {handoff_tokens}) and "
+                             f"pack_rows >= 1 (got {pack_rows})")
+        self.handoff_tokens = handoff_tokens if workers > 1 else 0
+        self.pack_rows = pack_rows
+        self._tasks: set = set()           # decode dispatches after a handoff, running
+        self.handoffs = 0                  # prefills handed over (a counter)
         # lend idle workers' cores to busy ones (asked for, and the operator
         # did not choose the threads)
         self.lend_cores = lend_cores and not os.environ.get("SHMCACHE_BLAS_THREADS", "").strip()
@@ -160,6 +192,65 @@ class WorkerBackend:
             return None
         return min(live, key=lambda w: (self._load(w), w.idx))
 
+    @staticmethod
+    def _rows(w: WorkerProc) -> int:
+        """Samples ``w`` decodes or will decode (not the prefills it runs for a handoff)."""
+        return sum(f.gen.params.n for f in w.flights.values() if not f.prefill_only)
+
+    @staticmethod
+    def _prefill_left(w: WorkerProc) -> int:
+        """Prompt tokens ``w`` has still to compute (as far as its reports say)."""
+        return sum(max(0, len(f.gen.prompt) - 1 - f.progress)
+                   for f in w.flights.values() if not f.started)
+
+    def _pick_prefill(self) -> Optional[WorkerProc]:
+        """Where a handed-over prefill runs: a worker decoding nothing if
+        any, the least prefill queued first."""
+        live = self.procs.live()
+        if not live:
+            return None
+        return min(live, key=lambda w: (self._rows(w) > 0, self._prefill_left(w),
+                                        self._rows(w), w.idx))
+
+    def _pick_decode(self, n: int) -> Optional[WorkerProc]:
+        """Where a request decodes under handoff: the fullest decoding
+        worker with room for ``n`` more under ``pack_rows`` and no prefill
+        queued; else the emptiest without prefill; else the least loaded."""
+        live = self.procs.live()
+        if not live:
+            return None
+        idle = [w for w in live if self._prefill_left(w) == 0]
+        room = [w for w in idle if 0 < self._rows(w) and self._rows(w) + n <= self.pack_rows]
+        if room:
+            return max(room, key=lambda w: (self._rows(w), -w.idx))
+        if idle:
+            return min(idle, key=lambda w: (self._rows(w), w.idx))
+        return self._pick()
+
+    def _wants_handoff(self, f: Flight) -> bool:
+        """Whether ``f``'s prefill is long enough to run on another worker
+        than its decoding (``handoff_tokens`` not in the pool now)."""
+        if not self.handoff_tokens or f.parked is not None or len(self.procs.live()) < 2:
+            return False
+        m = self.procs.mgr
+        todo = len(f.gen.prompt) - 1
+        if todo < self.handoff_tokens or m is None:
+            return False
+        salt = f.gen.params.salt
+        _, cached = m.get_computed_blocks(f.gen.prompt[:-1], (salt,) if salt else None)
+        return todo - cached >= self.handoff_tokens
+
+    def _unpark(self, f: Flight) -> None:
+        """The worker keeping ``f``'s handed-over table may drop it."""
+        if f.parked is None:
+            return
+        w, _ = f.parked
+        f.parked = None
+        try:
+            w.send(wire.Unpark(f.gen.id))
+        except (OSError, RuntimeError, AttributeError):   # gone: its tables were reclaimed
+            pass
+
     def _shared_blocks_pending(self, f: Flight) -> bool:
         """Whether a request being prefilled on a live worker will publish
         blocks of ``f``'s prompt that are not published yet (same salt,
@@ -211,9 +302,21 @@ class WorkerBackend:
     async def _dispatch(self, f: Flight) -> None:
         while True:
             if self.procs.closing:
+                self._unpark(f)
                 f.q.put_nowait(Error("the server is shutting down", 503))
                 return
-            w = None if self._shared_blocks_pending(f) else self._pick()
+            if f.gone:
+                self._unpark(f)
+                return
+            handoff = False
+            if f.parked is not None:     # nothing to compute: no prefix to wait for
+                w = self._pick_decode(f.gen.params.n)
+            elif self._shared_blocks_pending(f):
+                w = None
+            else:
+                handoff = self._wants_handoff(f)
+                w = (self._pick_prefill() if handoff else
+                     self._pick_decode(f.gen.params.n) if self.handoff_tokens else self._pick())
             if w is not None:
                 break
             changed = self._changed
@@ -223,10 +326,19 @@ class WorkerBackend:
                 pass
         f.worker = w
         f.seen = [0] * len(f.seen)
-        f.progress = 0
+        f.prefill_only = handoff
+        gen = f.gen
+        if handoff:
+            gen = msgspec.structs.replace(gen, handoff=True)
+            f.progress = 0
+        elif f.parked is not None:
+            gen = msgspec.structs.replace(gen, adopt=f.parked[1])
+            f.progress = len(gen.prompt) - 1
+        else:
+            f.progress = 0
         w.flights[f.gen.id] = f
         self._lend_cores()              # before the request: its prefill runs with them
-        w.send(f.gen)
+        w.send(gen)
 
     # ---------------------------------------------------------- interface
     def admission_error(self, prompt_tokens: int, max_tokens: int, n: int) -> Optional[str]:
@@ -251,6 +363,9 @@ class WorkerBackend:
                     return
                 finished += isinstance(ev, SampleDone)
         finally:
+            if not all(f.done):
+                f.gone = True
+                self._unpark(f)
             if not all(f.done) and f.worker is not None:
                 f.worker.flights.pop(f.gen.id, None)
                 self._moved()
@@ -282,7 +397,7 @@ class WorkerBackend:
                    pool_prefix_hit_rate=g["prefix_hit_rate"],
                    lock_wait_max=g["lock_wait_max_s"], lock_queue=g["lock_queue"],
                    preemptions=sum(w.preemptions for w in procs.workers),
-                   worker_restarts=procs.restarts,
+                   worker_restarts=procs.restarts, prefill_handoffs=self.handoffs,
                    workers_alive=len(procs.live()),
                    working_bytes=sum(w.working_bytes for w in procs.workers),
                    worker_running={w.idx: sum(f.gen.params.n for f in w.flights.values()
@@ -332,10 +447,27 @@ class WorkerBackend:
             if f is not None:
                 f.progress = msg.stored
                 self._moved()
+        elif isinstance(msg, wire.Handoff):
+            f = w.flights.get(msg.id)
+            if f is None or not f.prefill_only:       # gone meanwhile: drop the table
+                try:
+                    w.send(wire.Unpark(msg.id))
+                except (OSError, RuntimeError, AttributeError):
+                    pass
+                return
+            del w.flights[msg.id]
+            f.worker, f.prefill_only = None, False
+            f.parked, f.cached_before = (w, msg.table), msg.cached
+            self.handoffs += 1
+            self._moved()
+            task = asyncio.get_running_loop().create_task(self._dispatch(f))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         elif isinstance(msg, wire.Admitted):
             f = w.flights.get(msg.id)
             if f is None:
                 return
+            self._unpark(f)              # the adopter has its own fork now
             self._moved()
             # every admission (the first, a re-run after a preemption, or on
             # another worker after a death) generates from the first token
@@ -343,7 +475,9 @@ class WorkerBackend:
             f.seen = [0] * len(f.seen)
             if not f.started:
                 f.started = True
-                f.q.put_nowait(Started(msg.prompt_tokens, msg.cached_tokens, w.idx))
+                cached = msg.cached_tokens if f.cached_before is None else \
+                    min(msg.cached_tokens, f.cached_before)
+                f.q.put_nowait(Started(msg.prompt_tokens, cached, w.idx))
         elif isinstance(msg, wire.Failed):
             f = w.flights.pop(msg.id, None)
             self._moved()

@@ -198,6 +198,14 @@ class Flight:
         self.done = [False] * params.n
         self.reruns = 0                        # times re-run after its worker died
         self.logged_at: Optional[int] = None   # seconds waited at its last "long prefill" line
+        # a prefill handed over (backend.py, --handoff-tokens): on its worker
+        # for prefill only; then the worker keeping its table, and the table,
+        # until the decoding worker has adopted it; the cached tokens its
+        # prefill found (what the client is told, not the adopter's count)
+        self.prefill_only = False
+        self.parked: Optional[tuple[WorkerProc, str]] = None
+        self.cached_before: Optional[int] = None
+        self.gone = False                      # its client left: never dispatched again
 
 
 class WorkerProc:

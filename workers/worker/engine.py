@@ -66,6 +66,21 @@ before the prefill, which then starts on the block boundary after it, as
 after an L1 hit; the rest is computed. Every block this worker publishes is
 queued for L2 (``PoolSequence.publish``; a background thread writes it).
 
+A prefill handed over (``Gen.handoff``, the supervisor's ``--handoff-tokens``):
+the request's ``prompt[:-1]`` is computed and published as above, but its
+table is kept ("parked") instead of joining the batch, and ``("handoff",
+(id, table, stored, cached))`` is emitted; the worker that then decodes it
+gets it with ``Gen.adopt`` naming that table, forks it
+(:meth:`PoolSequence.adopt`: every block shared, the partial last one too),
+reads it into its working buffers and joins its batch with nothing to
+compute, as a request whose prompt is all cached. The parked table is
+dropped on ``unpark`` (the adopter has its fork) or ``cancel``. Gone (the
+computing worker died), the adopter computes what the pool does not hold.
+So a worker that decodes a full batch never stops it for a long prefill:
+on a CPU a decode step costs about the same for 1 or 4 rows (it reads every
+weight once), while prefill is bound by compute, so decoding in few, full
+batches and prefilling on the other workers' cores serves more.
+
 Out of blocks, the newest request is preempted (its tables deleted, its
 published blocks stay cached) and re-run from its prompt later; the
 supervisor drops the tokens it already delivered.
@@ -143,8 +158,9 @@ class Engine:
         eos_ids: token ids that end a sample.
         emit: ``emit(kind, payload)``, called with ("admitted", (id,
             prompt_tokens, cached_tokens)), ("progress", (id, tokens
-            stored)), ("step", [(id, sample, token, reason, logprob or None)]) and ("failed",
-            (id, message, status)).
+            stored)), ("step", [(id, sample, token, reason, logprob or None)]),
+            ("handoff", (id, table, tokens stored, cached_tokens)) and
+            ("failed", (id, message, status)).
         max_batch: the most samples decoded together.
         prefill_step: the most prompt tokens computed per step (rounded
             down to a multiple of the block size, at least one block).
@@ -175,6 +191,7 @@ class Engine:
         self.preemptions = 0
         self._order = 0
         self._reqs: dict = {}
+        self._parked: dict = {}            # request id -> its PoolSequence kept after "handoff"
         step_timing.install(self)
 
     # ------------------------------------------------------------ interface
@@ -185,6 +202,7 @@ class Engine:
         self.waiting.append(req)
 
     def cancel(self, rid: int) -> None:
+        self.unpark(rid)
         req = self._reqs.pop(rid, None)
         if req is None:
             return
@@ -195,6 +213,12 @@ class Engine:
             self.prefilling = None
             pf.release()
         self._drop_rows(req)
+
+    def unpark(self, rid: int) -> None:
+        """Drop the table kept for ``rid`` after its handoff (if any)."""
+        seq = self._parked.pop(rid, None)
+        if seq is not None:
+            seq.release()
 
     @property
     def busy(self) -> bool:
@@ -250,6 +274,8 @@ class Engine:
         for req in list(self._reqs.values()):
             self._drop_rows(req)
         self._reqs.clear()
+        for rid in list(self._parked):
+            self.unpark(rid)
         self.waiting.clear()
         step_timing.close(self)
 
@@ -303,6 +329,9 @@ class Engine:
                     return               # the next chunk does not fit this step's budget
                 continue
             self.prefilling = None
+            if pf.req.gen.handoff:
+                self._park(pf)
+                continue
             try:
                 self._to_rows(pf)
             except OutOfBlocksError:
@@ -339,7 +368,7 @@ class Engine:
             except Exception as e:
                 self._fail(req, e)
                 continue
-            if pf.pending is None and req.gen.params.n == 1:
+            if pf.pending is None and req.gen.params.n == 1 and not req.gen.handoff:
                 rest = len(req.gen.prompt) - 1 - pf.seq.stored
                 if rest == 0:
                     group.append(pf)     # all cached: nothing to compute
@@ -462,14 +491,35 @@ class Engine:
         self.emit("failed", (req.gen.id, f"{type(e).__name__}: {e}", 500))
 
     def _tables(self, req: _Req, sample: int) -> str:
-        return f"w{self.wid}.r{req.gen.id}.a{req.attempt}.s{sample}"
+        # (a handoff's table is parked: named apart from the one this
+        # worker's own adoption of it would fork into)
+        tail = "h" if req.gen.handoff else f"s{sample}"
+        return f"w{self.wid}.r{req.gen.id}.a{req.attempt}.{tail}"
 
     def _start(self, req: _Req) -> _Prefill:
         """Take the longest cached prefix in L1 and start its L2 lookup
         (``PoolSequence.begin``: never raises for an L2 fault); with no
-        lookup in flight, load it into new working buffers now."""
+        lookup in flight, load it into new working buffers now. With
+        ``Gen.adopt``, fork that table instead while it holds this prompt's
+        ``prompt[:-1]`` (a handed-over prefill)."""
         p = req.gen.params
         extra = (p.salt,) if p.salt else None
+        if req.gen.adopt:
+            seq = PoolSequence.adopt(self.mgr, req.gen.adopt, self._tables(req, 0), extra)
+            if seq is not None and seq.stored != len(req.gen.prompt) - 1:
+                seq.release()            # not this prompt's: compute as usual
+                seq = None
+            if seq is not None:
+                pf = _Prefill(req, seq, None, 0)
+                try:
+                    caches = make_pool_cache(self.model, seq)
+                    load_prefix(caches)
+                except BaseException:
+                    pf.release()
+                    raise
+                pf.caches, pf.cached = caches, seq.stored
+                self.emit("progress", (req.gen.id, seq.stored))
+                return pf
         pending = PoolSequence.begin(self.mgr, self._tables(req, 0), req.gen.prompt[:-1], extra)
         pf = _Prefill(req, None, None, 0, pending)
         if pending.ready():
@@ -490,6 +540,14 @@ class Engine:
         load_prefix(caches)
         pf.caches, pf.cached = caches, seq.stored
         self.emit("progress", (pf.req.gen.id, seq.stored))
+
+    def _park(self, pf: _Prefill) -> None:
+        """A handoff's ``prompt[:-1]`` is computed: keep its table for the
+        adopting worker (until ``unpark``) and say so."""
+        g = pf.req.gen
+        self._reqs.pop(g.id, None)
+        self._parked[g.id] = pf.seq
+        self.emit("handoff", (g.id, pf.seq.table.request_id, pf.seq.stored, pf.cached))
 
     def _prefill_chunk(self, pf: _Prefill, budget: int):
         """Compute the next chunk of ``pf``'s ``prompt[:-1]`` within ``budget`` tokens.

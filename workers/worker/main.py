@@ -103,6 +103,8 @@ def main(argv=None) -> int:
             writer.send(wire.Progress(*payload))
         elif kind == "step":
             writer.send(wire.Step(payload))
+        elif kind == "handoff":
+            writer.send(wire.Handoff(*payload))
         elif kind == "failed":
             writer.send(wire.Failed(*payload))
 
@@ -133,6 +135,8 @@ def main(argv=None) -> int:
                     engine.submit(msg)
                 elif isinstance(msg, wire.Cancel):
                     engine.cancel(msg.id)
+                elif isinstance(msg, wire.Unpark):
+                    engine.unpark(msg.id)
                 elif isinstance(msg, wire.Threads):
                     shmcache.system.blas.use_fast_blas(threads=msg.n)   # from this step on
                 try:

@@ -1,0 +1,131 @@
+"""How a machine's decode and prefill throughput scale with processes, BLAS threads and rows.
+
+    python -m tools.bench.decode_scaling [--model realistic:6] [--configs 8x2x2,4x2x4]
+                                         [--context 500] [--steps 24] [--prefill 128]
+
+Each config ``PxTxB`` starts P processes at once, each with T BLAS threads
+(``SHMCACHE_BLAS_THREADS``), each holding B rows of --context random tokens
+in mlx-lm's ``BatchKVCache``. When all are ready they decode --steps
+greedy steps together; then each prefills --prefill new tokens for one row,
+three times. It prints, per config, the median decode step, the machine's
+decode tokens per second (the sum over processes of B / step) and its
+prefill tokens per second.
+
+It answers what the serving benchmark cannot separate: is a CPU decode
+step bound by the memory bus of the whole machine (then fewer, fuller
+batches produce more tokens per second, even with cores idle), or by each
+process's cores (then spreading rows over every core is best)?
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+
+def child(model_dir: str, rows: int, context: int, steps: int, prefill: int) -> None:
+    import shmcache  # noqa: F401  (binds the BLAS before mlx loads)
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+
+    model, _ = load(model_dir)
+    vocab = model.args.vocab_size
+    mx.random.seed(os.getpid())
+    caches = [BatchKVCache([0] * rows) for _ in model.layers]
+    toks = mx.random.randint(0, vocab, (rows, context))            # (B, T)
+    for s in range(0, context, 512):
+        model(toks[:, s:s + 512], cache=caches)
+        mx.eval([a for c in caches for a in (c.keys, c.values)])
+    y = toks[:, -1:]
+    print("ready", flush=True)
+    sys.stdin.readline()                 # every process starts together
+    step_s = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        y = mx.argmax(model(y, cache=caches)[:, -1, :], axis=-1)[:, None]
+        mx.eval(y)
+        step_s.append(time.perf_counter() - t)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    pre_s = []
+    for _ in range(3):
+        cache = make_prompt_cache(model)
+        p = mx.random.randint(0, vocab, (1, prefill))
+        t = time.perf_counter()
+        model(p, cache=cache)
+        mx.eval([a for c in cache for a in (c.keys, c.values)])
+        pre_s.append(time.perf_counter() - t)
+    print(json.dumps({"step": statistics.median(step_s[2:]), "prefill": statistics.median(pre_s)}),
+          flush=True)
+
+
+def run_config(model_dir: str, procs: int, threads: int, rows: int, args) -> dict:
+    env = dict(os.environ, SHMCACHE_BLAS_THREADS=str(threads))
+    cmd = [sys.executable, "-m", "tools.bench.decode_scaling", "--child", model_dir,
+           str(rows), str(args.context), str(args.steps), str(args.prefill)]
+    ps = [subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                           text=True) for _ in range(procs)]
+    try:
+        for phase in range(2):
+            for p in ps:
+                line = p.stdout.readline()
+                if line.strip() != "ready":
+                    raise RuntimeError(f"a child failed (phase {phase}): {line!r}")
+            for p in ps:
+                p.stdin.write("go\n")
+                p.stdin.flush()
+        res = [json.loads(p.stdout.readline()) for p in ps]
+    finally:
+        for p in ps:
+            p.kill()
+            p.wait()
+    step = statistics.median(r["step"] for r in res)
+    return {"config": f"{procs}x{threads}x{rows}", "step_ms": step * 1000,
+            "decode_tok_s": sum(rows / r["step"] for r in res),
+            "prefill_tok_s": sum(args.prefill / r["prefill"] for r in res)}
+
+
+def main(argv=None) -> int:
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--child":
+        a = sys.argv[2:]
+        child(a[0], int(a[1]), int(a[2]), int(a[3]), int(a[4]))
+        return 0
+    ap = argparse.ArgumentParser(prog="python -m tools.bench.decode_scaling",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="realistic:6", help="demo, realistic[:LAYERS] or a directory")
+    ap.add_argument("--configs", default="8x2x2,4x2x4,4x4x4,8x2x4,16x1x1,1x16x16",
+                    help="comma-separated PxTxB: processes x BLAS threads x rows")
+    ap.add_argument("--context", type=int, default=500, help="tokens each row holds (default 500)")
+    ap.add_argument("--steps", type=int, default=24, help="decode steps timed (default 24)")
+    ap.add_argument("--prefill", type=int, default=128, help="tokens of each prefill (default 128)")
+    ap.add_argument("--rounds", type=int, default=1, help="times each config runs (default 1)")
+    args = ap.parse_args(argv)
+    try:
+        configs = [tuple(int(x) for x in c.lower().split("x")) for c in args.configs.split(",")]
+        if any(len(c) != 3 or min(c) < 1 for c in configs):
+            raise ValueError
+    except ValueError:
+        print(f"decode_scaling: --configs {args.configs!r}: expected PxTxB,... of positive "
+              "integers", file=sys.stderr)
+        return 2
+    from tools.bench.serve_models import resolve
+    model_dir, label = resolve(args.model)
+    print(f"model {label}; {os.cpu_count()} cores; context {args.context}, "
+          f"{args.steps} steps, prefill {args.prefill}", flush=True)
+    print("config (PxTxB) | step ms | decode tok/s | prefill tok/s", flush=True)
+    for r in range(args.rounds):
+        for procs, threads, rows in configs:
+            out = run_config(model_dir, procs, threads, rows, args)
+            print(f"{out['config']:>14} | {out['step_ms']:7.1f} | {out['decode_tok_s']:12.1f} | "
+                  f"{out['prefill_tok_s']:13.1f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -15,9 +15,11 @@ in steps of ``prefill_step`` tokens.
 
 Prefill handoff (``handoff_tokens``, on by default with two or more
 workers). On a CPU a decode step reads every weight once whatever its rows
-(1 row or 4 cost about the same), while a prefill is bound by compute. So a
-request with at least ``handoff_tokens`` prompt tokens the pool does not
-hold is sent first, for its prefill only (``Gen.handoff``), to a worker
+(1 row or 4 cost about the same), while a prefill is bound by compute. With
+fewer requests in flight than workers, each goes to the least-loaded worker
+(an idle one: its prefill pauses nobody). From as many as workers on
+(``_crowded``), a request with at least ``handoff_tokens`` prompt tokens
+the pool does not hold is sent first, for its prefill only (``Gen.handoff``), to a worker
 that decodes nothing (the fewest rows, then the least prefill queued); that
 worker computes it into the pool and keeps its table (``Handoff``). The
 request then goes (``Gen.adopt``) to a decoding worker: the fullest one
@@ -27,7 +29,7 @@ compute; once it says so (``Admitted``) the first worker drops its table
 (``Unpark``). The decoding workers' batches fill up and never stop for a
 long prompt, and the prompts are computed on the other workers' cores at
 the same time. A shorter rest (a later chat turn whose history is cached
-save a few tokens) goes straight to a decoding worker. If the prefilling
+save a few tokens) goes straight to a decoding worker with room. If the prefilling
 worker dies after its handoff, the adopter computes what the pool lacks.
 
 When a worker dies, the pool releases what it held (``reclaim_dead``), a
@@ -227,18 +229,41 @@ class WorkerBackend:
             return min(idle, key=lambda w: (self._rows(w), w.idx))
         return self._pick()
 
-    def _wants_handoff(self, f: Flight) -> bool:
-        """Whether ``f``'s prefill is long enough to run on another worker
-        than its decoding (``handoff_tokens`` not in the pool now)."""
-        if not self.handoff_tokens or f.parked is not None or len(self.procs.live()) < 2:
-            return False
+    def _pick_start(self, f: Flight) -> Optional[WorkerProc]:
+        """Where a request that is not handed over runs, prefill and decode:
+        with fewer requests than workers (or handoff off), the least-loaded
+        worker; else a decoding worker with room (``_pick_decode``)."""
+        if not self.handoff_tokens or not self._crowded():
+            return self._pick()
+        return self._pick_decode(f.gen.params.n)
+
+    def _crowded(self) -> bool:
+        """As many requests in flight as live workers: the next one makes
+        some worker decode several rows, so packing them and prefilling
+        elsewhere pays; with fewer, each request has a worker of its own,
+        where its prefill pauses nobody."""
+        live = self.procs.live()
+        return sum(len(w.flights) for w in live) >= len(live)
+
+    def _todo(self, f: Flight) -> int:
+        """Tokens of ``f``'s ``prompt[:-1]`` not in the pool now (looked up
+        without taking a reference)."""
         m = self.procs.mgr
         todo = len(f.gen.prompt) - 1
         if todo < self.handoff_tokens or m is None:
-            return False
+            return todo
         salt = f.gen.params.salt
         _, cached = m.get_computed_blocks(f.gen.prompt[:-1], (salt,) if salt else None)
-        return todo - cached >= self.handoff_tokens
+        return todo - cached
+
+    def _wants_handoff(self, f: Flight) -> bool:
+        """Whether ``f``'s prefill should run on another worker than its
+        decoding: ``handoff_tokens`` of it are not in the pool now, and the
+        workers are crowded (``_crowded``)."""
+        if not self.handoff_tokens or f.parked is not None or len(self.procs.live()) < 2 or \
+                not self._crowded():
+            return False
+        return self._todo(f) >= self.handoff_tokens
 
     def _unpark(self, f: Flight) -> None:
         """The worker keeping ``f``'s handed-over table may drop it."""
@@ -315,8 +340,7 @@ class WorkerBackend:
                 w = None
             else:
                 handoff = self._wants_handoff(f)
-                w = (self._pick_prefill() if handoff else
-                     self._pick_decode(f.gen.params.n) if self.handoff_tokens else self._pick())
+                w = self._pick_prefill() if handoff else self._pick_start(f)
             if w is not None:
                 break
             changed = self._changed

@@ -263,14 +263,14 @@ def test_a_long_prompt_is_prefilled_on_one_worker_and_decoded_on_the_fullest(
         streams = []
         for running in ({0: 1, 1: 0}, {0: 1, 1: 1}, {0: 2, 1: 1}):
             prompt = printable(rng, 20)
-            it = iter(client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=300,
+            it = iter(client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1000,
                                                 temperature=0, stream=True))
             streams.append((prompt, it, [next(it).choices[0].text]))
             assert _running(srv.get("/metrics").text) == running
         assert srv.metric("shmcache_prefill_handoffs_total") == 0
         long_prompt = printable(rng, 600)
         chunks = iter(client.completions.create(model=MODEL_NAME, prompt=long_prompt,
-                                                max_tokens=24, temperature=0, stream=True,
+                                                max_tokens=400, temperature=0, stream=True,
                                                 stream_options={"include_usage": True}))
         parts = [next(chunks).choices[0].text]
         assert _running(srv.get("/metrics").text) == {0: 3, 1: 1}
@@ -279,7 +279,7 @@ def test_a_long_prompt_is_prefilled_on_one_worker_and_decoded_on_the_fullest(
         for c in chunks:
             parts.extend(ch.text for ch in c.choices)
             usage = c.usage or usage
-        assert "".join(parts) == reference.greedy(long_prompt, 24).text
+        assert "".join(parts) == reference.greedy(long_prompt, 400).text
         assert usage.prompt_tokens_details.cached_tokens == 0
 
         later = long_prompt + printable(rng, 6)
@@ -291,5 +291,81 @@ def test_a_long_prompt_is_prefilled_on_one_worker_and_decoded_on_the_fullest(
         for prompt, it, got_parts in streams:
             for chunk in it:
                 got_parts.extend(c.text for c in chunk.choices)
-            assert "".join(got_parts) == reference.greedy(prompt, 300).text
+            assert "".join(got_parts) == reference.greedy(prompt, 1000).text
+        srv.wait_idle()
+
+
+def _suspend_outside_the_pool_lock(srv, proc) -> None:
+    """SIGSTOP ``proc`` at a moment it does not hold the pool lock (a stopped
+    holder would stop every other process of the pool too): stop it, try
+    the lock from here, and if it does not come, let it run a little and
+    try again."""
+    from shmcache.pool.inspect_pool import PoolView
+    view = PoolView(srv.pool_path.rsplit("shmcache.", 1)[1])
+    try:
+        for _ in range(50):
+            proc.suspend()
+            with view.locked(timeout=0.5) as held:
+                if held:
+                    return
+            proc.resume()
+            time.sleep(0.01)
+        raise AssertionError(f"worker {proc.pid} held the pool lock 50 times in a row")
+    finally:
+        view.close()
+
+
+@pytest.mark.timeout(300)
+def test_the_prefilling_worker_killed_before_its_prefill_is_adopted_loses_nothing(
+        model_dir, reference):
+    """The decoding worker (0) is stopped while a long prompt is prefilled
+    on worker 1 and handed over to it; worker 1 is then SIGKILLed, its
+    parked table reclaimed with it, and worker 0 continued: it finds no
+    table to adopt and computes what the pool does not hold (the handed
+    prefill's published blocks are cached). Every answer is the
+    reference's (worker 1's stream re-run), and once idle nothing is held."""
+    with serving(model_dir, "--workers", 2, "--max-blocks", 256, "--handoff-tokens", 32,
+                 "--worker-timeout", 60) as srv:
+        client = srv.client()
+        rng = random.Random(919)
+        streams = []
+        for _ in range(3):                       # 2 on worker 0, 1 on worker 1
+            prompt = printable(rng, 20)
+            it = iter(client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1000,
+                                                temperature=0, stream=True))
+            streams.append((prompt, it, [next(it).choices[0].text]))
+        assert _running(srv.get("/metrics").text) == {0: 2, 1: 1}
+        w0, w1 = srv.worker_procs()
+        _suspend_outside_the_pool_lock(srv, w0)
+        long_prompt = printable(rng, 600)
+        answer: dict = {}
+
+        def ask():
+            answer["r"] = client.completions.create(model=MODEL_NAME, prompt=long_prompt,
+                                                    max_tokens=24, temperature=0)
+
+        asker = threading.Thread(target=ask, daemon=True)
+        try:
+            asker.start()
+            deadline = time.monotonic() + 60
+            while srv.metric("shmcache_prefill_handoffs_total") < 1:
+                assert time.monotonic() < deadline, srv.log()
+                time.sleep(0.02)
+            w1.send_signal(signal.SIGKILL)
+            while not re.search(rf"worker 1 \(pid {w1.pid}\) died", srv.log()):
+                assert time.monotonic() < deadline, srv.log()
+                time.sleep(0.02)
+        finally:
+            w0.resume()
+        asker.join(120)
+        assert not asker.is_alive()
+        r = answer["r"]
+        assert got(r) == reference.greedy(long_prompt, 24)
+        assert re.search(r"worker 0: request \d+: its handed-over prefill \(table w1\.r\d+\.a0\.h\) "
+                         r"is gone", srv.log()), srv.log()
+        assert r.usage.prompt_tokens_details.cached_tokens == 0
+        for prompt, it, got_parts in streams:
+            for chunk in it:
+                got_parts.extend(c.text for c in chunk.choices)
+            assert "".join(got_parts) == reference.greedy(prompt, 1000).text
         srv.wait_idle()

@@ -509,6 +509,9 @@ class Engine:
             if seq is not None and seq.stored != len(req.gen.prompt) - 1:
                 seq.release()            # not this prompt's: compute as usual
                 seq = None
+            if seq is None:
+                log.warning("request %d: its handed-over prefill (table %s) is gone: "
+                            "computing what the pool does not hold", req.gen.id, req.gen.adopt)
             if seq is not None:
                 pf = _Prefill(req, seq, None, 0)
                 try:

@@ -250,6 +250,21 @@ def test_a_handed_over_prefill_is_decoded_by_another_engine_computing_nothing(lm
     assert ev_b.admitted[2][2] == len(prompt) // BS * BS           # the published blocks
     assert ev_b.tokens[2] == want
 
+    # n = 2: both samples fork the adopted table (greedy: both the reference)
+    eng_a.submit(Gen(4, list(prompt), params, 1, handoff=True))
+    run(eng_a)
+    two = SamplingParams(max_tokens=10, temperature=0.0, n=2)
+    eng_b.submit(Gen(4, list(prompt), two, 1, adopt=ev_a.handoff[-1][1]))
+    run(eng_b)
+    eng_a.unpark(4)
+    assert ev_b.failed == [] and ev_b.admitted[4][2] == len(prompt) - 1
+    got4 = {}
+    for items in ev_b.steps:
+        for rid, sample, tok, *_ in items:
+            if rid == 4:
+                got4.setdefault(sample, []).append(tok)
+    assert got4 == {0: want, 1: want}
+
     eng_a.submit(Gen(3, list(prompt) + [1, 2, 3], params, 1, handoff=True))
     run(eng_a)
     parked = ev_a.handoff[-1][1]

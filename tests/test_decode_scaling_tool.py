@@ -1,0 +1,40 @@
+"""``python -m tools.bench.decode_scaling`` (a benchmark tool: tiny settings on
+the demo model check that it starts the processes of each config together
+and prints their figures, not the performance), and its one-line refusal of
+bad --configs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.timeout(180)
+def test_decode_scaling_prints_a_line_per_config():
+    r = subprocess.run([sys.executable, "-m", "tools.bench.decode_scaling", "--model", "demo",
+                        "--configs", "1x1x1,2x1x2", "--context", "32", "--steps", "6",
+                        "--prefill", "16"], cwd=ROOT, capture_output=True, text=True, timeout=170)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [ln.split("|") for ln in r.stdout.splitlines() if ln.strip().split(" ")[0] in
+            ("1x1x1", "2x1x2")]
+    assert [c[0].strip() for c in rows] == ["1x1x1", "2x1x2"], r.stdout
+    for c in rows:
+        step, decode, prefill = (float(x) for x in c[1:])
+        assert step > 0 and decode > 0 and prefill > 0
+    # the machine's decode tokens/s: the processes' rows over their step
+    one, two = rows
+    assert float(two[2]) > float(one[2])
+
+
+@pytest.mark.timeout(60)
+def test_bad_configs_are_one_line_and_exit_2():
+    r = subprocess.run([sys.executable, "-m", "tools.bench.decode_scaling", "--configs", "8x2"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=50)
+    assert r.returncode == 2
+    assert "--configs '8x2'" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert r.stdout == ""

@@ -340,12 +340,21 @@ def version() -> str:
         return getattr(sys.modules[__package__], "__version__", "unknown")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, but a bad argument is one line (what was wrong,
+    and where the help is) and exit 2, not the usage block before it
+    (``serve``'s alone is a dozen lines)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = _Parser(
         prog="shmcache", description="Inspect, check and clean up shmcache pools in /dev/shm.",
         epilog="Exit codes: 0 ok, 1 violations (fsck) or a kept pool (cleanup NAME), 2 error.")
     ap.add_argument("--version", action="version", version=f"shmcache {version()}")
-    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND", parser_class=_Parser)
 
     def add(name: str, help: str, description: str = ""):
         # the one-line help in `shmcache --help`, and a description in `shmcache NAME --help`

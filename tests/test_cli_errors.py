@@ -103,3 +103,16 @@ def test_corrupt_header_is_one_line(cmd, make_pool, junk_name):
     r = run(cmd[0], junk_name, *cmd[1:])
     assert_error(r, "corrupt header", "unknown dtype code 9")
     assert os.path.exists(segment.path_for(junk_name))
+
+
+@pytest.mark.parametrize("args,words", [
+    (("serve", "--handoff-tokens", "-1"), ("--handoff-tokens", "at least 0", "serve --help")),
+    (("serve", "--pack-rows", "0"), ("--pack-rows", "at least 1")),
+    (("serve", "--workers", "two"), ("--workers", "'two'")),
+    (("inspect",), ("required: name", "inspect --help")),
+    (("fsck", "x", "--bogus"), ("unrecognized arguments: --bogus",)),
+], ids=lambda v: " ".join(v) if isinstance(v, tuple) and v and v[0] in
+    ("serve", "inspect", "fsck") else "")
+def test_a_bad_argument_is_one_line_naming_it(args, words):
+    """argparse's errors, without its usage block: one line and exit 2."""
+    assert_error(run(*args), *words)

@@ -111,6 +111,8 @@ bench: setup
 		--chat-system-chars 300 --user-chars 40-80 --json bench-serve-many-sessions.json
 	@# a worker's step against mlx-lm's BatchGenerator, in one process
 	$(BIN)/python -m tools.bench.engine_step --model realistic:4 --batch 1,2,4 --rounds 2
+	$(BIN)/python -m tools.bench.decode_scaling --model realistic:4 --configs 2x1x1,2x1x2,2x1x4,1x2x4 \
+		--context 300 --steps 12
 	$(BIN)/python -m tools.bench.l2
 
 clean:

@@ -26,9 +26,17 @@ def test_decode_scaling_prints_a_line_per_config():
     for c in rows:
         step, decode, prefill = (float(x) for x in c[1:])
         assert step > 0 and decode > 0 and prefill > 0
-    # the machine's decode tokens/s: the processes' rows over their step
-    one, two = rows
-    assert float(two[2]) > float(one[2])
+    # one process of one row: its decode tokens/s is one token per step
+    step, decode = float(rows[0][1]), float(rows[0][2])
+    assert abs(decode * step / 1000 - 1) < 0.02, rows[0]
+
+
+@pytest.mark.timeout(60)
+def test_too_few_steps_is_one_line_and_exit_2():
+    r = subprocess.run([sys.executable, "-m", "tools.bench.decode_scaling", "--steps", "2"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=50)
+    assert r.returncode == 2 and "--steps 2" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and r.stdout == ""
 
 
 @pytest.mark.timeout(60)

@@ -265,6 +265,17 @@ def test_a_handed_over_prefill_is_decoded_by_another_engine_computing_nothing(lm
                 got4.setdefault(sample, []).append(tok)
     assert got4 == {0: want, 1: want}
 
+    # the worker that parked it adopts it itself (its own fork, another name)
+    eng_a.submit(Gen(5, list(prompt), params, 1, handoff=True))
+    run(eng_a)
+    own = ev_a.handoff[-1][1]
+    eng_a.submit(Gen(5, list(prompt), params, 1, adopt=own))
+    run(eng_a)
+    assert ev_a.failed == [] and ev_a.admitted[5][2] == len(prompt) - 1
+    assert ev_a.tokens[5] == want
+    eng_a.unpark(5)
+    assert pool.get_block_table(own) is None
+
     eng_a.submit(Gen(3, list(prompt) + [1, 2, 3], params, 1, handoff=True))
     run(eng_a)
     parked = ev_a.handoff[-1][1]

@@ -88,6 +88,22 @@ def test_get_computed_blocks_finds_the_longest_cached_prefix(manager):
     assert all(manager.blocks[i].ref_count == 1 for i in ids)  # no reference taken
 
 
+def test_cached_prefix_tokens_is_a_probe_that_changes_nothing(manager):
+    """The supervisor's routing probe: the longest cached prefix's token
+    count, with no reference taken and the hit/miss counters untouched."""
+    t, ids, tokens = cached_table(manager, "r", 3)
+    before, counts = snapshot(manager), _counts(manager)
+    cases = [(tokens, 12), (tokens + [1, 2, 3], 12), (tokens[:8] + toks(4, 500), 8),
+             (toks(12, 500), 0)]
+    for query, n in cases:
+        assert manager.cached_prefix_tokens(query) == n, query
+    assert manager.cached_prefix_tokens(tokens, ("other salt",)) == 0
+    unchanged(manager, before)                    # counters, references: all the same
+    assert _counts(manager) == counts
+    assert manager.get_computed_blocks(tokens)[1] == 12
+    assert _counts(manager) == (counts[0] + 3, counts[1])     # a lookup counts its hits
+
+
 def test_acquire_takes_one_reference_per_block_and_free_gives_it_back(manager):
     t, ids, tokens = cached_table(manager, "r", 2)
     manager.delete_block_table("r")

@@ -256,6 +256,11 @@ class PagedCacheManager:
                             ) -> Tuple[List[CacheBlock], int]:
         return self._prefix.get_computed_blocks(token_ids, extra_keys)
 
+    @_doc(PrefixCache.cached_prefix_tokens)
+    def cached_prefix_tokens(self, token_ids: List[int],
+                             extra_keys: Optional[Tuple[Any, ...]] = None) -> int:
+        return self._prefix.cached_prefix_tokens(token_ids, extra_keys)
+
     @_doc(PrefixCache.acquire_computed_blocks)
     def acquire_computed_blocks(self, token_ids: List[int],
                                 extra_keys: Optional[Tuple[Any, ...]] = None,

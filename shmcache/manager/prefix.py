@@ -137,6 +137,21 @@ class PrefixCache:
         self.holder.chains.looked_up(found, hashes)
         return [SharedBlock(self.ledger, b) for b in found], len(found) * self.block_size
 
+    def cached_prefix_tokens(self, token_ids: List[int],
+                             extra_keys: Optional[Tuple[Any, ...]] = None) -> int:
+        """How many leading tokens of ``token_ids`` the pool holds now (whole
+        published blocks): a probe for routing, not a lookup. No reference is
+        taken and the hit/miss counters are left alone (the process that
+        then takes the prefix counts its lookup), so the answer may be stale
+        by the time anyone acts on it."""
+        if not self.enable_caching:
+            return 0
+        hashes = self.ledger.hashes(token_ids, len(token_ids) // self.block_size, extra_keys)
+        with self.pool.lock:
+            self.ledger.sync()
+            found = self._lookup_chain(hashes)
+        return len(found) * self.block_size
+
     def acquire_computed_blocks(self, token_ids: List[int],
                                 extra_keys: Optional[Tuple[Any, ...]] = None,
                                 table: Optional[BlockTable] = None

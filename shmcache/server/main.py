@@ -161,11 +161,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "%(default)s). Larger: faster prefill; smaller: shorter pauses in the "
                         "replies streaming from the same worker")
     p.add_argument("--handoff-tokens", metavar="N", type=_non_negative, default=32,
-                   help="a request with at least N prompt tokens the pool does not hold is "
-                        "prefilled by a worker that decodes nothing and handed over, through "
-                        "the pool, to a decoding worker, whose replies then never pause for a "
-                        "long prompt (default: %(default)s; 0: off, each request is prefilled "
-                        "where it decodes; off with one worker)")
+                   help="with at least as many requests in flight as workers, a request "
+                        "with at least N prompt tokens the pool does not hold is prefilled by "
+                        "a worker that decodes nothing (else the one decoding fewest rows) "
+                        "and handed over, through the pool, to a decoding worker, whose "
+                        "replies then do not pause for it (default: %(default)s; 0: off, each "
+                        "request is prefilled where it decodes; off with one worker)")
     p.add_argument("--pack-rows", metavar="N", type=_positive, default=4,
                    help="with handoff: a decoding worker takes new requests until it decodes "
                         "N samples before an idle worker starts decoding (a CPU decode step "

@@ -114,6 +114,10 @@ def main(argv=None) -> int:
         print(f"decode_scaling: --configs {args.configs!r}: expected PxTxB,... of positive "
               "integers", file=sys.stderr)
         return 2
+    if args.steps < 3:
+        print(f"decode_scaling: --steps {args.steps}: at least 3 (the first two are warm-up)",
+              file=sys.stderr)
+        return 2
     from tools.bench.serve_models import resolve
     model_dir, label = resolve(args.model)
     print(f"model {label}; {os.cpu_count()} cores; context {args.context}, "

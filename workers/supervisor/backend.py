@@ -20,15 +20,16 @@ fewer requests in flight than workers, each goes to the least-loaded worker
 (an idle one: its prefill pauses nobody). From as many as workers on
 (``_crowded``), a request with at least ``handoff_tokens`` prompt tokens
 the pool does not hold is sent first, for its prefill only (``Gen.handoff``), to a worker
-that decodes nothing (the fewest rows, then the least prefill queued); that
+that decodes nothing if there is one (the least prefill queued, then the
+fewest rows: else a decoding worker's few rows pause for it); that
 worker computes it into the pool and keeps its table (``Handoff``). The
 request then goes (``Gen.adopt``) to a decoding worker: the fullest one
 with room under ``pack_rows`` rows and no prefill queued, else the emptiest
 without prefill. It forks the table and joins its batch with nothing to
 compute; once it says so (``Admitted``) the first worker drops its table
-(``Unpark``). The decoding workers' batches fill up and never stop for a
-long prompt, and the prompts are computed on the other workers' cores at
-the same time. A shorter rest (a later chat turn whose history is cached
+(``Unpark``). The decoding workers' batches fill up and stop for a long
+prompt only when every worker decodes, and the prompts are computed on the
+other workers' cores at the same time. A shorter rest (a later chat turn whose history is cached
 save a few tokens) goes straight to a decoding worker with room. If the prefilling
 worker dies after its handoff, the adopter computes what the pool lacks.
 
@@ -59,7 +60,9 @@ calls are the pool's (microseconds) and the workers' pipe writes.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
+import logging
 import os
 import random
 from pathlib import Path
@@ -71,6 +74,8 @@ from .. import wire
 from ..protocol import Error, SampleDone, SamplingParams, Started, Tokens
 from .worker_procs import (DEFAULT_MAX_RERUNS, DEFAULT_STALL_S, Flight, WorkerProc,
                            WorkerProcesses, core_shares)
+
+log = logging.getLogger("shmcache.server")
 
 
 class WorkerBackend:
@@ -165,6 +170,8 @@ class WorkerBackend:
         await self.procs.start()
 
     async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
         await self.procs.close()
 
     def fail_in_flight(self, message: str = "the server is shutting down",
@@ -246,15 +253,14 @@ class WorkerBackend:
         return sum(len(w.flights) for w in live) >= len(live)
 
     def _todo(self, f: Flight) -> int:
-        """Tokens of ``f``'s ``prompt[:-1]`` not in the pool now (looked up
-        without taking a reference)."""
+        """Tokens of ``f``'s ``prompt[:-1]`` not in the pool now (a probe:
+        no reference, not counted as a lookup)."""
         m = self.procs.mgr
         todo = len(f.gen.prompt) - 1
         if todo < self.handoff_tokens or m is None:
             return todo
         salt = f.gen.params.salt
-        _, cached = m.get_computed_blocks(f.gen.prompt[:-1], (salt,) if salt else None)
-        return todo - cached
+        return todo - m.cached_prefix_tokens(f.gen.prompt[:-1], (salt,) if salt else None)
 
     def _wants_handoff(self, f: Flight) -> bool:
         """Whether ``f``'s prefill should run on another worker than its
@@ -264,6 +270,17 @@ class WorkerBackend:
                 not self._crowded():
             return False
         return self._todo(f) >= self.handoff_tokens
+
+    def _dispatched(self, task: "asyncio.Task[None]", f: Flight) -> None:
+        """A decode dispatch after a handoff ended: one that raised (a bug)
+        fails its request instead of leaving the client waiting."""
+        self._tasks.discard(task)
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("request %d: dispatch after its handoff failed: %r", f.gen.id,
+                  task.exception())
+        self._unpark(f)
+        f.q.put_nowait(Error(f"dispatch failed: {task.exception()!r}", 500))
 
     def _unpark(self, f: Flight) -> None:
         """The worker keeping ``f``'s handed-over table may drop it."""
@@ -486,7 +503,7 @@ class WorkerBackend:
             self._moved()
             task = asyncio.get_running_loop().create_task(self._dispatch(f))
             self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            task.add_done_callback(functools.partial(self._dispatched, f=f))
         elif isinstance(msg, wire.Admitted):
             f = w.flights.get(msg.id)
             if f is None:

@@ -76,7 +76,7 @@ reads it into its working buffers and joins its batch with nothing to
 compute, as a request whose prompt is all cached. The parked table is
 dropped on ``unpark`` (the adopter has its fork) or ``cancel``. Gone (the
 computing worker died), the adopter computes what the pool does not hold.
-So a worker that decodes a full batch never stops it for a long prefill:
+So a worker that decodes a full batch need not stop it for a long prefill:
 on a CPU a decode step costs about the same for 1 or 4 rows (it reads every
 weight once), while prefill is bound by compute, so decoding in few, full
 batches and prefilling on the other workers' cores serves more.
@@ -504,7 +504,9 @@ class Engine:
         ``prompt[:-1]`` (a handed-over prefill)."""
         p = req.gen.params
         extra = (p.salt,) if p.salt else None
-        if req.gen.adopt:
+        if req.gen.adopt and req.attempt == 0:
+            # (a re-run after a preemption: the table was dropped once this
+            # worker admitted it, and the published blocks are cached)
             seq = PoolSequence.adopt(self.mgr, req.gen.adopt, self._tables(req, 0), extra)
             if seq is not None and seq.stored != len(req.gen.prompt) - 1:
                 seq.release()            # not this prompt's: compute as usual

@@ -78,8 +78,9 @@ dropped on ``unpark`` (the adopter has its fork) or ``cancel``. Gone (the
 computing worker died), the adopter computes what the pool does not hold.
 So a worker that decodes a full batch need not stop it for a long prefill:
 on a CPU a decode step costs about the same for 1 or 4 rows (it reads every
-weight once), while prefill is bound by compute, so decoding in few, full
-batches and prefilling on the other workers' cores serves more.
+weight once), while prefill is bound by compute, so few, full decoding
+batches lose little while the prompts are computed on the other workers'
+cores (docs/decisions/0019-prefill-handoff.md has what it gains and costs).
 
 Out of blocks, the newest request is preempted (its tables deleted, its
 published blocks stay cached) and re-run from its prompt later; the

@@ -111,8 +111,7 @@ def test_corrupt_header_is_one_line(cmd, make_pool, junk_name):
     (("serve", "--workers", "two"), ("--workers", "'two'")),
     (("inspect",), ("required: name", "inspect --help")),
     (("fsck", "x", "--bogus"), ("unrecognized arguments: --bogus",)),
-], ids=lambda v: " ".join(v) if isinstance(v, tuple) and v and v[0] in
-    ("serve", "inspect", "fsck") else "")
+], ids=["handoff-tokens", "pack-rows", "workers", "inspect", "fsck"])
 def test_a_bad_argument_is_one_line_naming_it(args, words):
     """argparse's errors, without its usage block: one line and exit 2."""
     assert_error(run(*args), *words)

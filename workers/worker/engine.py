@@ -505,27 +505,17 @@ class Engine:
         ``prompt[:-1]`` (a handed-over prefill)."""
         p = req.gen.params
         extra = (p.salt,) if p.salt else None
-        if req.gen.adopt and req.attempt == 0:
-            # (a re-run after a preemption: the table was dropped once this
-            # worker admitted it, and the published blocks are cached)
-            seq = PoolSequence.adopt(self.mgr, req.gen.adopt, self._tables(req, 0), extra)
-            if seq is not None and seq.stored != len(req.gen.prompt) - 1:
-                seq.release()            # not this prompt's: compute as usual
-                seq = None
-            if seq is None:
-                log.warning("request %d: its handed-over prefill (table %s) is gone: "
-                            "computing what the pool does not hold", req.gen.id, req.gen.adopt)
-            if seq is not None:
-                pf = _Prefill(req, seq, None, 0)
-                try:
-                    caches = make_pool_cache(self.model, seq)
-                    load_prefix(caches)
-                except BaseException:
-                    pf.release()
-                    raise
-                pf.caches, pf.cached = caches, seq.stored
-                self.emit("progress", (req.gen.id, seq.stored))
-                return pf
+        # (a re-run after a preemption does not adopt: the table was dropped
+        # once this worker admitted it, and the published blocks are cached)
+        seq = self._adopt(req, extra) if req.gen.adopt and req.attempt == 0 else None
+        if seq is not None:
+            pf = _Prefill(req, seq, None, 0)
+            try:
+                self._load(pf)
+            except BaseException:
+                pf.release()
+                raise
+            return pf
         pending = PoolSequence.begin(self.mgr, self._tables(req, 0), req.gen.prompt[:-1], extra)
         pf = _Prefill(req, None, None, 0, pending)
         if pending.ready():
@@ -539,13 +529,29 @@ class Engine:
     def _finish_start(self, pf: _Prefill) -> None:
         """The L2 lookup is ready: load what it delivered into the pool
         (published in L1), then the whole prefix into new working buffers."""
-        seq = pf.pending.finish()
+        pf.seq = pf.pending.finish()
         pf.pending = None
-        pf.seq = seq
-        caches = make_pool_cache(self.model, seq)
+        self._load(pf)
+
+    def _load(self, pf: _Prefill) -> None:
+        """``pf.seq``'s tokens (its cached prefix) into new working buffers."""
+        caches = make_pool_cache(self.model, pf.seq)
         load_prefix(caches)
-        pf.caches, pf.cached = caches, seq.stored
-        self.emit("progress", (pf.req.gen.id, seq.stored))
+        pf.caches, pf.cached = caches, pf.seq.stored
+        self.emit("progress", (pf.req.gen.id, pf.seq.stored))
+
+    def _adopt(self, req: _Req, extra) -> Optional[PoolSequence]:
+        """A fork of the handed-over table ``req.gen.adopt`` while it holds
+        this prompt's ``prompt[:-1]``; None (said in a warning) when it is
+        gone, and the request computes as usual."""
+        seq = PoolSequence.adopt(self.mgr, req.gen.adopt, self._tables(req, 0), extra)
+        if seq is not None and seq.stored != len(req.gen.prompt) - 1:
+            seq.release()                # not this prompt's
+            seq = None
+        if seq is None:
+            log.warning("request %d: its handed-over prefill (table %s) is gone: "
+                        "computing what the pool does not hold", req.gen.id, req.gen.adopt)
+        return seq
 
     def _park(self, pf: _Prefill) -> None:
         """A handoff's ``prompt[:-1]`` is computed: keep its table for the

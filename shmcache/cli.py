@@ -351,7 +351,10 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(
-        prog="shmcache", description="Inspect, check and clean up shmcache pools in /dev/shm.",
+        prog="shmcache",
+        description="Serve a language model from several worker processes that share one KV "
+                    "cache in shared memory (serve), and inspect, check and clean up the "
+                    "shmcache pools in /dev/shm.",
         epilog="Exit codes: 0 ok, 1 violations (fsck) or a kept pool (cleanup NAME), 2 error.")
     ap.add_argument("--version", action="version", version=f"shmcache {version()}")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND", parser_class=_Parser)
@@ -407,7 +410,11 @@ COMMANDS = {"list": cmd_list, "inspect": cmd_inspect, "top": cmd_top, "fsck": cm
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args, extra = ap.parse_known_args(argv)
+    if extra:                        # said by the command's parser: "shmcache serve: error: ..."
+        sub = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction))
+        sub.choices[args.cmd].error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return COMMANDS[args.cmd](args)
     except KeyboardInterrupt:

@@ -110,8 +110,11 @@ def test_corrupt_header_is_one_line(cmd, make_pool, junk_name):
     (("serve", "--pack-rows", "0"), ("--pack-rows", "at least 1")),
     (("serve", "--workers", "two"), ("--workers", "'two'")),
     (("inspect",), ("required: name", "inspect --help")),
-    (("fsck", "x", "--bogus"), ("unrecognized arguments: --bogus",)),
-], ids=["handoff-tokens", "pack-rows", "workers", "inspect", "fsck"])
+    (("fsck", "x", "--bogus"), ("shmcache fsck: error: unrecognized arguments: --bogus",
+                                "fsck --help")),
+    (("serve", "--bogus"), ("shmcache serve: error: unrecognized arguments: --bogus",
+                            "(see shmcache serve --help)")),
+], ids=["handoff-tokens", "pack-rows", "workers", "inspect", "fsck", "serve-unknown"])
 def test_a_bad_argument_is_one_line_naming_it(args, words):
     """argparse's errors, without its usage block: one line and exit 2."""
     assert_error(run(*args), *words)

@@ -116,10 +116,25 @@ def test_serve_a_gguf_file(tmp_path, tiny_gguf, monkeypatch):
     with serving(tiny_gguf, "--workers", "1") as srv:
         assert converted.is_dir()
         ref = Reference(converted).greedy(prompt, 12)
-        model_id = srv.get("/v1/models").json()["data"][0]["id"]
-        r = srv.client().completions.create(model=model_id, prompt=prompt, max_tokens=12,
+        # served under the file's name, not the cached conversion's (which ends in a hash)
+        assert srv.get("/v1/models").json()["data"][0]["id"] == "tiny"
+        r = srv.client().completions.create(model="tiny", prompt=prompt, max_tokens=12,
                                             temperature=0)
         assert (r.choices[0].text, r.usage.completion_tokens) == (ref.text, ref.tokens)
+        assert r.model == "tiny"
+        # the conversion's directory name is accepted too
+        r = srv.client().completions.create(model=converted.name, prompt=prompt, max_tokens=1)
+        assert r.choices[0].text
+
+
+def test_served_name(tmp_path, monkeypatch):
+    d = tmp_path / "conv-f32-0123456789ab"
+    assert MS.served_name(str(tmp_path / "My-Model.Q4_1.gguf"), d) == "My-Model.Q4_1"
+    assert MS.served_name(str(tmp_path / "dir"), tmp_path / "dir") == "dir"
+    monkeypatch.setattr(MS, "default_gguf", lambda: tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert MS.served_name(None, d) == "SmolLM2-135M-Instruct.Q4_1"
+    monkeypatch.setattr(MS, "default_gguf", lambda: None)
+    assert MS.served_name(None, tmp_path / "demo-model-v1") == "demo-model-v1"
 
 
 def test_serve_bad_model_is_one_line_exit_2(tmp_path):

@@ -92,6 +92,28 @@ def test_context_length_and_max_prompt_tokens_are_400s_before_admission(tokenize
         assert h.post(C, json={"prompt": list(range(30)), "max_tokens": 1}).status_code == 200
 
 
+def test_prompt_plus_max_tokens_past_the_context_is_a_400(tokenizer):
+    """The prompt plus max_tokens (or max_completion_tokens) may not pass the
+    model's context; a default max_tokens is lowered to fit instead."""
+    with _serve(tokenizer, context_length=50) as s, httpx.Client(base_url=s.url) as h:
+        e = _err(h.post(C, json={"prompt": list(range(40)), "max_tokens": 11}), 400)
+        assert e["param"] == "max_tokens"
+        assert "51 tokens" in e["message"] and "context length of 50" in e["message"]
+        assert "at most 10" in e["message"]
+        e = _err(h.post(CH, json={"messages": [{"role": "user", "content": "hi"}],
+                                  "max_completion_tokens": 60}), 400)
+        assert e["param"] == "max_completion_tokens" and "context length of 50" in e["message"]
+        e = _err(h.post(C, json={"prompt": list(range(50))}), 400)
+        assert e["param"] == "prompt" and "no room" in e["message"]
+        assert s.backend.calls == []
+        ok = h.post(C, json={"prompt": list(range(40)), "max_tokens": 10})
+        assert ok.status_code == 200, ok.text
+        # no max_tokens: the completions default (16) is lowered to the 10 that fit
+        ok = h.post(C, json={"prompt": list(range(40))})
+        assert ok.status_code == 200, ok.text
+        assert [c["params"].max_tokens for c in s.backend.calls] == [10, 10]
+
+
 def test_api_key(tokenizer):
     with _serve(tokenizer, api_key="sekrit") as s, httpx.Client(base_url=s.url) as h:
         e = _err(h.post(C, json={"prompt": "hi", "max_tokens": 1}), 401)

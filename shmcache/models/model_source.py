@@ -87,6 +87,19 @@ def convert_cached(gguf, *, quantized: bool = False, cache_dir=None,
     return target
 
 
+def served_name(spec: Optional[str], model_dir: Path) -> str:
+    """The name ``shmcache serve`` lists the model under (``/v1/models``) and
+    that requests may give as ``model``: a GGUF file's name without
+    ``.gguf`` (the default model: ``SmolLM2-135M-Instruct.Q4_1``), not the
+    cached conversion's directory, whose name ends in a hash; else the
+    model directory's name."""
+    if spec is None:
+        gguf = default_gguf()
+        return gguf.stem if gguf is not None else Path(model_dir).name
+    path = Path(os.path.expanduser(str(spec)))
+    return path.stem if path.suffix.lower() == ".gguf" else Path(model_dir).name
+
+
 def resolve_model(spec: Optional[str] = None, *, quantized: bool = False, cache_dir=None,
                   log: Optional[Callable[[str], None]] = print) -> Path:
     """The mlx-lm model directory that ``spec`` names (see the module docstring).

@@ -303,8 +303,9 @@ def _run(args, sock) -> int:
         from .app import create_app
         from workers.supervisor.backend import WorkerBackend
 
-        from ..models.model_source import resolve_model
+        from ..models.model_source import resolve_model, served_name
         model = resolve_model(args.model, log=log.info)
+        model_name = served_name(args.model, model)
         if args.model is None:
             log.info("no --model given: serving %s", model)
         l2 = getattr(args, "l2", None)
@@ -362,7 +363,7 @@ def _run(args, sock) -> int:
         url = _url(sock)
 
         def ready() -> None:
-            line = (f"shmcache serve: {backend.model_id}, {args.workers} workers, on {url} "
+            line = (f"shmcache serve: {model_name}, {args.workers} workers, on {url} "
                     f"(OpenAI API at {url}/v1)")
             if log.isEnabledFor(logging.INFO):
                 log.info("%s", line)
@@ -370,7 +371,7 @@ def _run(args, sock) -> int:
                 print(line, file=sys.stderr, flush=True)
 
         api_key = getattr(args, "api_key", None) or os.environ.get("SHMCACHE_API_KEY") or None
-        app = create_app(backend, on_ready=ready,
+        app = create_app(backend, on_ready=ready, served_model_name=model_name,
                          max_body_bytes=getattr(args, "max_body_bytes", 8 << 20),
                          max_prompt_tokens=getattr(args, "max_prompt_tokens", None),
                          api_key=api_key,

@@ -6,10 +6,13 @@ name, ``n`` against ``max_n``, token ids against the vocabulary, and what the
 pool can hold. Every problem is an :class:`~shmcache.server.http_errors.APIError`
 (a 400) and the backend is not called.
 
-Lengths: ``max_tokens`` (chat: ``max_completion_tokens`` first) that the pool
-can never hold is a 400. When the client gives none, the default (16 for
-completions as in OpenAI's API, ``default_chat_max_tokens`` for chat) is
-lowered to what the pool can hold.
+Lengths: the prompt plus ``max_tokens`` (chat: ``max_completion_tokens``
+first) past the model's context length (``backend.context_length``, when
+known) is a 400, as OpenAI's API and vLLM answer: the model would generate
+at positions it never saw in training. So is a ``max_tokens`` that the pool
+can never hold. When the client gives none, the default (16 for completions
+as in OpenAI's API, ``default_chat_max_tokens`` for chat) is lowered to
+what the context and the pool can hold.
 """
 
 from __future__ import annotations
@@ -89,11 +92,27 @@ class RequestChecker:
             prompt_param: the parameter to blame when the prompt alone cannot fit.
 
         Returns:
-            ``requested``, else the largest value up to ``default`` that the pool can hold.
+            ``requested``, else the largest value up to ``default`` that the
+            context and the pool can hold.
 
         Raises:
-            APIError: the pool can never hold the request.
+            APIError: the prompt with ``requested`` (or with one token) is
+                longer than the model's context, or the pool can never hold
+                the request.
         """
+        ctx = getattr(self.backend, "context_length", None)
+        if ctx:
+            room = ctx - prompt_len
+            if room < 1:
+                raise APIError(f"Invalid value for '{prompt_param}': the prompt has "
+                               f"{prompt_len} tokens, which leaves no room for a reply within "
+                               f"the model's context length of {ctx}.", param=prompt_param)
+            if requested is not None and requested > room:
+                raise APIError(f"Invalid value for '{param}': the prompt ({prompt_len} "
+                               f"tokens) plus {param}={requested} is {prompt_len + requested} "
+                               f"tokens, more than the model's context length of {ctx}; "
+                               f"{param} may be at most {room} here.", param=param)
+            default = min(default, room)
         adm = self.backend.admission_error
         if requested is not None:
             why = adm(prompt_len, requested, n)

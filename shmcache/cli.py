@@ -82,7 +82,8 @@ def cmd_list(args) -> int:
             continue
         rows.append((n, str(d["owner_pid"]), alive, str(d["attached"]), str(d["max_blocks"]),
                      human_bytes(d["size_bytes"]),
-                     f"{d['allocated_blocks']}/{d['max_blocks']} {usage_bar(d['usage'], 20)}"))
+                     f"{d['allocated_blocks']}/{d['max_blocks']} {usage_bar(d['usage'], 20)}, "
+                     f"{d['cached_blocks']} cached"))
     head = ("NAME", "OWNER", "ALIVE", "ATTACHED", "BLOCKS", "BYTES", "USAGE")
     w = [max(len(r[i]) for r in rows + [head]) for i in range(6)]
     for r in [head] + rows:
@@ -365,7 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
                               + help[1:] + ".")
     add("list", "every pool: owner, alive, size, usage",
         "List every shmcache pool in /dev/shm: its owner's pid and whether it is alive, the "
-        "processes attached, its blocks, size and usage.")
+        "processes attached, its blocks, size and usage: the blocks in use (referenced) out "
+        "of all, and the blocks cached (published prefixes no one references, reusable "
+        "until evicted: they count as free).")
     p = add("inspect", "one pool's statistics, layout and holders",
             "One pool's statistics (blocks free, used and cached, the prefix-cache hit rate), "
             "its layout, and what each attached process holds. Read-only.")

@@ -46,6 +46,7 @@ def test_list_shows_owner_size_usage(make_pool):
     assert cols[3] == "1" and cols[4] == "32"           # attached, blocks
     used = 32 - m.free_blocks
     assert f"{used}/32" in row and "%" in row
+    assert row.endswith(", 2 cached")                   # busy_pool's two unreferenced prefixes
 
 
 def test_inspect_json_matches_manager(make_pool):

@@ -311,6 +311,8 @@ class PoolView:
             n = self.layout.max_blocks
             d.update(max_blocks=n, block_size=self.layout.block_size,
                      allocated_blocks=n - int(self.counters.num_free) - reserve.reserved_total(self),
+                     cached_blocks=block_usage(self.blocks["ref_count"][:n],
+                                               self.blocks["flags"][:n])["blocks_cached"],
                      attached=len(self.live_slots()))
             d["usage"] = d["allocated_blocks"] / n
         return d

@@ -102,9 +102,11 @@ processes share one paged KV cache in /dev/shm, so a prompt prefix computed by
 one worker is reused by all of them.
 
 endpoints:
-  POST /v1/completions, /v1/chat/completions   (stream, n, stop, seed,
-       temperature, top_p, top_k, min_p, max_tokens, cache_salt)
-  GET  /v1/models, /health, /metrics (Prometheus)
+  POST /v1/completions, /v1/chat/completions   (OpenAI's request fields and
+       mlx_lm.server's sampling extensions; the README's table says which are
+       honoured and which refused with a 400)
+  GET  /v1/models (the model's name: a GGUF file's name without .gguf, or
+       the model directory's), /health, /metrics (Prometheus)
 
 With --l2 redis://HOST:PORT[/DB], Redis is a second cache tier shared by the
 pools of many hosts: published blocks are written to it in the background,
@@ -120,7 +122,10 @@ default size is 1 GiB of K/V or half of /dev/shm's free space, whichever is
 less (printed at startup; --max-blocks sets it).
 
 max_tokens, when a request gives none: 16 for /v1/completions (as OpenAI's
-API), 512 for /v1/chat/completions (lowered to what the pool can hold).
+API), 512 for /v1/chat/completions, lowered to what the model's context and
+the pool can hold; a prompt plus max_tokens past the context is a 400.
+temperature, when a request gives none: 1.0, as OpenAI's API (send 0 for
+greedy decoding, mlx_lm.server's default).
 
 SIGINT or SIGTERM stops the server: requests in flight get a few seconds,
 then those still running end with a 503 "server shutting down" (an error

@@ -133,9 +133,13 @@ def test_sigterm_during_a_stream_gives_the_client_a_503_event_and_chat_template(
             assert r.status_code == 400 and r.json()["error"]["param"] == "top_k", r.text
             r = h.post("/v1/completions", json={"prompt": [1] * 100_000, "max_tokens": 1})
             assert r.status_code == 400 and "context length" in r.text, r.text
+            # the prompt plus max_tokens past the model's context (the demo model's 8192)
+            r = h.post("/v1/completions", json={"prompt": "a", "max_tokens": 8192})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+            assert "context length of 8192" in r.text and "at most 8191" in r.text, r.text
             assert h.get("/v1/nope").json()["error"]["type"] == "invalid_request_error"
             assert h.put("/v1/completions").status_code == 405
-        body = {"model": MODEL_NAME, "prompt": "x" * 20, "max_tokens": 100000,
+        body = {"model": MODEL_NAME, "prompt": "x" * 20, "max_tokens": 8000,
                 "temperature": 0, "stream": True}
         with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
             assert r.status_code == 200
@@ -212,7 +216,7 @@ def _inspect_agrees_with_metrics(srv):
 @pytest.mark.timeout(240)
 def test_a_request_whose_workers_keep_dying_fails_after_the_reruns(model_dir):
     with serving(model_dir, "--workers", "1", "--max-reruns", "1") as srv:
-        body = {"model": MODEL_NAME, "prompt": "y" * 20, "max_tokens": 100000,
+        body = {"model": MODEL_NAME, "prompt": "y" * 20, "max_tokens": 8000,
                 "temperature": 0, "stream": True}
         events, kills = [], []
 

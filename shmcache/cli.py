@@ -344,13 +344,16 @@ def version() -> str:
 class _Parser(argparse.ArgumentParser):
     """argparse's parser, but a bad argument is one line (what was wrong,
     and where the help is) and exit 2, not the usage block before it
-    (``serve``'s alone is a dozen lines)."""
+    (``serve``'s alone is a dozen lines). ``commands``: each command's
+    parser by name (``build_parser`` fills it)."""
+
+    commands: dict
 
     def error(self, message: str):  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> _Parser:
     ap = _Parser(
         prog="shmcache",
         description="Serve a language model from several worker processes that share one KV "
@@ -359,6 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit codes: 0 ok, 1 violations (fsck) or a kept pool (cleanup NAME), 2 error.")
     ap.add_argument("--version", action="version", version=f"shmcache {version()}")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND", parser_class=_Parser)
+    ap.commands = sub.choices
 
     def add(name: str, help: str, description: str = ""):
         # the one-line help in `shmcache --help`, and a description in `shmcache NAME --help`
@@ -416,8 +420,7 @@ def main(argv=None) -> int:
     ap = build_parser()
     args, extra = ap.parse_known_args(argv)
     if extra:                        # said by the command's parser: "shmcache serve: error: ..."
-        sub = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction))
-        sub.choices[args.cmd].error(f"unrecognized arguments: {' '.join(extra)}")
+        ap.commands[args.cmd].error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return COMMANDS[args.cmd](args)
     except KeyboardInterrupt:

@@ -288,8 +288,13 @@ class WorkerBackend:
             return
         w, _ = f.parked
         f.parked = None
+        self._send_unpark(w, f.gen.id)
+
+    @staticmethod
+    def _send_unpark(w: WorkerProc, rid: int) -> None:
+        """Tell ``w`` to drop the table it keeps for request ``rid``."""
         try:
-            w.send(wire.Unpark(f.gen.id))
+            w.send(wire.Unpark(rid))
         except (OSError, RuntimeError, AttributeError):   # gone: its tables were reclaimed
             pass
 
@@ -368,15 +373,13 @@ class WorkerBackend:
         f.worker = w
         f.seen = [0] * len(f.seen)
         f.prefill_only = handoff
+        f.progress = 0
         gen = f.gen
         if handoff:
             gen = msgspec.structs.replace(gen, handoff=True)
-            f.progress = 0
         elif f.parked is not None:
             gen = msgspec.structs.replace(gen, adopt=f.parked[1])
             f.progress = len(gen.prompt) - 1
-        else:
-            f.progress = 0
         w.flights[f.gen.id] = f
         self._lend_cores()              # before the request: its prefill runs with them
         w.send(gen)
@@ -491,10 +494,7 @@ class WorkerBackend:
         elif isinstance(msg, wire.Handoff):
             f = w.flights.get(msg.id)
             if f is None or not f.prefill_only:       # gone meanwhile: drop the table
-                try:
-                    w.send(wire.Unpark(msg.id))
-                except (OSError, RuntimeError, AttributeError):
-                    pass
+                self._send_unpark(w, msg.id)
                 return
             del w.flights[msg.id]
             f.worker, f.prefill_only = None, False

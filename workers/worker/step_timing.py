@@ -4,9 +4,10 @@ With ``SHMCACHE_STEP_TIMING=DIR`` in a worker's environment, its
 :class:`~workers.worker.engine.Engine` appends one line per step to
 ``DIR/engine-<pid>.log``: the wall time, the gap since the previous step
 (the worker loop and the supervisor's messages), the rows before and after,
-and for each engine method called in the step ``name=calls:milliseconds``
-(inclusive: ``_admit`` contains ``_prefill_chunk``, which contains
-``_forward_chunk``). Unset, nothing is wrapped and nothing is written.
+the BLAS threads, and for each engine method called in the step
+``name=calls:milliseconds`` (inclusive: ``_admit`` contains
+``_prefill_chunk``, which contains ``_forward_chunk``). Unset, nothing is
+wrapped and nothing is written.
 
     SHMCACHE_STEP_TIMING=/tmp/t python -m tools.bench.serve --only a ...
 """
@@ -14,6 +15,8 @@ import functools
 import os
 import time
 import weakref
+
+import shmcache.system.blas as blas
 
 _DIR = os.environ.get("SHMCACHE_STEP_TIMING")
 NAMES = ("_admit", "_start", "_finish_start", "_prefill_group", "_prefill_chunk",
@@ -76,7 +79,7 @@ def end(eng):
     log.last = t
     parts = " ".join(f"{n}={c[0]}:{c[1]*1000:.1f}" for n, c in log.acc.items())
     log.file.write(f"{time.time():.3f} total={(t-log.start)*1000:.1f} gap={gap*1000:.1f} "
-                   f"rows={log.rows0}->{len(eng.rows)} {parts}\n")
+                   f"rows={log.rows0}->{len(eng.rows)} threads={blas.threads() or 0} {parts}\n")
     log.acc.clear()
 
 

@@ -10,10 +10,6 @@ random weights: the ``lm`` fixture of ``_mlx_lm``).
   computes more than ``prefill_step`` prompt tokens.
 * A request cancelled in the middle of its prefill stops there: its table
   is deleted, the blocks it published stay cached.
-* Pipelined decode (the default: a step launched before the previous one's
-  tokens are read) gives the tokens, the end reasons and the pool's cached
-  prefixes of unpipelined decode, rows stopping on an end token included,
-  and leaves no block referenced.
 * A prefill handed over (``Gen.handoff``) is computed on one engine and
   kept; another engine adopts its table (``Gen.adopt``) and decodes with
   no prompt token computed, mlx-lm's tokens; a table gone falls back to
@@ -107,8 +103,7 @@ def test_a_long_prefill_shares_every_step_with_running_decodes(lm, pools):  # no
         pytest.skip("one architecture is enough for the scheduling")
     pool = pools(block_size=BS, max_blocks=512, **lm.layout)
     ev = Events()
-    # (steps not pipelined: each step's token is read in that step)
-    eng = Engine(pool, lm.model, [], ev, prefill_step=2 * BS, pipeline=False)
+    eng = Engine(pool, lm.model, [], ev, prefill_step=2 * BS)
     rng = random.Random(7)
     vocab = lm.model.args.vocab_size
     short = [rng.randrange(vocab) for _ in range(10)]
@@ -180,7 +175,7 @@ def test_requests_admitted_together_share_one_prefill_forward(lm, pools):  # noq
     pool = pools(block_size=BS, max_blocks=512, **lm.layout)
     ev = Events()
     model = Counting(lm.model)
-    eng = Engine(pool, model, [], ev, prefill_step=8 * BS, pipeline=False)
+    eng = Engine(pool, model, [], ev, prefill_step=8 * BS)
     rng = random.Random(11)
     vocab = lm.model.args.vocab_size
     shared = [rng.randrange(vocab) for _ in range(4 * BS)]
@@ -290,50 +285,3 @@ def test_a_handed_over_prefill_is_decoded_by_another_engine_computing_nothing(lm
     eng_a.close()
     eng_b.close()
     assert len(pool.request_tables) == 0
-
-
-@pytest.mark.timeout(300)
-def test_pipelined_decode_gives_the_tokens_and_the_pool_of_unpipelined_decode(lm, pools):  # noqa: F811
-    rng = random.Random(11)
-    vocab = lm.model.args.vocab_size
-    prompts = {1: [rng.randrange(vocab) for _ in range(3 * BS + 1)],
-               2: [rng.randrange(vocab) for _ in range(2 * BS + 3)],
-               3: [rng.randrange(vocab) for _ in range(5)]}
-    lengths = {1: 2 * BS + 3, 2: 3 * BS, 3: BS + 1}
-    # an end token that request 1 produces early: its row stops mid-batch
-    eos = reference(lm.model, prompts[1], 4)[3]
-    got = {}
-    for pipeline in (False, True):
-        pool = pools(block_size=BS, max_blocks=512, **lm.layout)
-        ev = Events()
-        eng = Engine(pool, lm.model, [eos], ev, prefill_step=2 * BS, pipeline=pipeline)
-        for rid, p in prompts.items():
-            eng.submit(gen(rid, p, lengths[rid]))
-        ahead = False                   # a step launched before the previous one was read
-        while eng.busy:
-            eng.step()
-            ahead = ahead or any(r.inflight for r in eng.rows)
-        assert ahead == pipeline
-        # what the pool holds of each sequence: a warm request on prompt +
-        # reply finds its published blocks, and decodes from them
-        for rid, p in prompts.items():
-            eng.submit(gen(10 + rid, p + ev.tokens[rid][:-1] + [rid], 3))
-        run(eng)
-        assert ev.failed == []
-        ends = [(rid, reason) for step in ev.steps for rid, _, _, reason, _ in step if reason]
-        got[pipeline] = (ev.tokens, sorted(ends),
-                         {rid: ev.admitted[10 + rid][2] for rid in prompts})
-        stats = pool.get_stats()
-        assert stats.refs_held == 0 and stats.block_tables == 0, stats   # nothing held
-        eng.close()
-    assert got[True] == got[False]
-    tokens, ends, cached = got[True]
-    assert tokens[1][-1] == eos and (1, "stop") in ends           # stopped on the end token
-    assert len(tokens[1]) < lengths[1] and len(tokens[3]) <= lengths[3]
-    for rid, p in prompts.items():
-        want = reference(lm.model, p, lengths[rid])
-        assert tokens[rid] == want[:len(tokens[rid])]
-        # every full block of prompt + reply (less the last token) was published
-        assert cached[rid] == (len(p) + len(tokens[rid]) - 1) // BS * BS
-        warm = p + tokens[rid][:-1] + [rid]
-        assert tokens[10 + rid] == reference(lm.model, warm, 3)

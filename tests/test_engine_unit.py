@@ -21,12 +21,6 @@ samples of an ``n > 1`` request fork one prefill, and the last prompt token
 goes through the decode step; no step computes more than
 ``prefill_step`` prompt tokens, and a running row still gets a token every
 step; a cancel during prefill releases the request's blocks and stops it.
-Pipelined decode (``pipeline=True``; the other tests turn it off to check
-each step's decisions): the same tokens and end reasons, sampled, forked,
-stopped by an end token or preempted; each step's tokens are read after the
-next step is launched, never a step past ``max_tokens``; the step in flight
-is read before an admission; rows that need each token's value (log
-probabilities, logits processors) are not pipelined.
 """
 
 from __future__ import annotations
@@ -77,7 +71,6 @@ class FakeSequence:
         self.own = 0
         self.pending = 0
         self.staged = None              # tokens a batch prefill computed (FakeModel sets it)
-        self.ahead = 0                  # decode steps computed, not committed (FakeModel counts)
         self.released = False
         self.published: list = []
 
@@ -94,32 +87,21 @@ class FakeSequence:
         return FakePending(cls.acquire(mgr, name, tokens, extra))
 
     def reserve(self, n: int) -> None:
-        # room after the tokens stored and staged; idempotent until commit,
-        # as the pool's (the engine retries a step)
-        need = _blocks(self.stored + self.ahead + n) - self.shared - self.own
+        # idempotent until commit, as the pool's (the engine retries a step)
+        need = _blocks(self.stored + n) - self.shared - self.own
         if need > self.mgr.free:
             raise OutOfBlocksError(f"need {need} blocks, {self.mgr.free} free")
         if need > 0:
             self.mgr.free -= need
             self.own += need
-        self.pending = self.ahead + n
+        self.pending = n
 
-    def commit(self, groups=None) -> None:
-        # what was computed: a batch prefill's real tokens, the oldest
-        # ``groups`` decode steps, else all reserved
-        if self.staged is not None:
-            n = self.staged
-        elif self.ahead:
-            n = self.ahead if groups is None else min(groups, self.ahead)
-            self.ahead -= n
-        else:
-            n = self.pending
+    def commit(self) -> None:
+        # what was computed: a batch prefill's real tokens, else all reserved
+        n = self.pending if self.staged is None else self.staged
         self.stored += n
         self.pending -= n
         self.staged = None
-
-    def newest_staged(self) -> list:
-        return []
 
     def publish(self, tokens) -> None:
         self.published.append(len(tokens))
@@ -220,8 +202,6 @@ class FakeModel:
                 s.staged = n
         elif isinstance(cache[0], FakeBatch):
             self.calls.append(("decode", [s.name for s in cache[0].seqs]))
-            for s in cache[0].seqs:
-                s.ahead += 1
         else:
             self.calls.append(("prefill", cache[0].seq.name, t))
             for c in cache:
@@ -261,11 +241,8 @@ def fakes(monkeypatch):
 
 
 def make_engine(blocks: int, **kw):
-    """An engine over the fakes; its decode steps are not pipelined unless
-    ``pipeline=True`` (the tests here check each step's decisions)."""
-    kw.setdefault("pipeline", False)
     mgr, model, ev = FakeManager(blocks), FakeModel(), Events()
-    return Engine(mgr, model, eos_ids=kw.pop("eos_ids", []), emit=ev, **kw), mgr, model, ev
+    return Engine(mgr, model, eos_ids=[], emit=ev, **kw), mgr, model, ev
 
 
 def gen(rid: int, prompt_len: int, max_tokens: int = 40, seed: int = 0, **params) -> Gen:
@@ -461,84 +438,3 @@ def test_step_timing_log_names_each_part_of_a_step(fakes, tmp_path, monkeypatch)
     assert "rows=0->1" in lines[0] and "_prefill_group=1:" in lines[0] \
         and "_forward_chunk=1:" in lines[0] and "_decode=1:" in lines[0]
     assert "rows=1->0" in lines[1] and "_prefill_group" not in lines[1]
-
-
-# ------------------------------------------------------------ pipelined decode
-def _items(ev) -> dict:
-    """(request, sample) -> [(token, end reason)] of its last run (a
-    preempted request is re-run from its prompt: "admitted" starts a run)."""
-    out: dict = {}
-    for kind, p in ev.log:
-        if kind == "admitted":
-            for key in [k for k in out if k[0] == p[0]]:
-                del out[key]
-        elif kind == "step":
-            for i, smp, t, reason, _ in p:
-                out.setdefault((i, smp), []).append((t, reason))
-    return out
-
-
-def _mixed_requests() -> list:
-    return [gen(1, 5, max_tokens=9), gen(2, 7, max_tokens=13, temperature=1.0, seed=5),
-            gen(3, 6, max_tokens=6, n=2, temperature=0.8, seed=3), gen(4, 3, max_tokens=11)]
-
-
-@pytest.mark.timeout(60)
-def test_pipelined_decode_gives_the_same_tokens_and_ends(fakes):
-    def run(pipeline: bool, eos=(), blocks=100) -> tuple:
-        eng, mgr, model, ev = make_engine(blocks, max_batch=4, pipeline=pipeline,
-                                          eos_ids=list(eos))
-        for g in _mixed_requests():
-            eng.submit(g)
-        run_until(eng, lambda: not eng.busy, limit=500)
-        assert mgr.free == mgr.total            # every block back, a step ahead included
-        return _items(ev), eng.preemptions
-
-    plain, _ = run(False)
-    eos = plain[(1, 0)][3][0]                   # request 1 stops on its 4th token
-    want, _ = run(False, eos=[eos])
-    assert want[(1, 0)][-1] == (eos, "stop") and len(want[(1, 0)]) <= 4
-    got, _ = run(True, eos=[eos])
-    assert got == want
-    # with too few blocks for all: preemptions, and still the same tokens
-    want_small, pre_plain = run(False, eos=[eos], blocks=6)
-    got_small, pre_piped = run(True, eos=[eos], blocks=6)
-    assert pre_plain >= 1 and pre_piped >= 1
-    assert got_small == want_small == want
-
-
-@pytest.mark.timeout(60)
-def test_pipelined_decode_reads_each_step_after_launching_the_next(fakes):
-    eng, mgr, model, ev = make_engine(100, pipeline=True)
-    eng.submit(gen(1, 5, max_tokens=6))
-    decodes = lambda: sum(1 for c in model.calls if c[0] == "decode")   # noqa: E731
-    for k in range(1, 7):
-        eng.step()
-        # step k launched, step k-1 read: one token behind
-        assert decodes() == k and len(ev.tokens(1)) == k - 1
-    eng.step()              # the step in flight gives the 6th token: nothing is launched
-    assert decodes() == 6 and len(ev.tokens(1)) == 6 and not eng.busy
-    assert mgr.free == mgr.total
-
-    # an admission reads the step in flight first: its token is sent before
-    # the new request's prefill
-    eng.submit(gen(2, 5, max_tokens=8))
-    eng.step()
-    eng.step()
-    assert len(ev.tokens(2)) == 1
-    n = len(ev.log)
-    eng.submit(gen(3, 9, max_tokens=3))
-    eng.step()
-    kinds = [(k, p[0][0] if k == "step" else p[0]) for k, p in ev.log[n:]]
-    assert kinds[0] == ("step", 2) and ("admitted", 3) in kinds
-
-
-@pytest.mark.timeout(60)
-def test_rows_that_need_each_token_are_not_pipelined(fakes):
-    for params in (dict(logprobs=True, top_logprobs=2), dict(repetition_penalty=1.3)):
-        eng, mgr, model, ev = make_engine(100, pipeline=True)
-        eng.submit(gen(1, 5, max_tokens=4, **params))
-        for k in range(1, 5):
-            eng.step()
-            assert len(ev.tokens(1)) == k, params          # read in its own step
-        assert not eng.busy

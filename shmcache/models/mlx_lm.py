@@ -25,11 +25,7 @@ NOTE: staged K/V are written at :meth:`PoolSequence.commit`, after the step
 was evaluated, not inside ``update_and_fetch``: writing needs the values,
 and evaluating there would serialise the graph layer by layer (and defeat
 ``mx.async_eval`` in mlx-lm's loops). A staged write is committed at the
-latest by the next ``update_and_fetch`` of layer 0, unless the batch cache
-defers it (``PoolBatchKVCache.defer_commit``: a caller that builds step k+1
-while step k is being evaluated, and commits step k itself). Each forward
-pass stages one group (every layer, the same tokens); groups are committed
-oldest first, so the pool's order of tokens is the sequence's.
+latest by the next ``update_and_fetch`` of layer 0.
 
 With an L2 tier on the manager (``mgr.l2``: ``shmcache.create_pool`` or
 ``shmcache.attach`` with ``l2=``), :meth:`PoolSequence.acquire` asks it for
@@ -119,8 +115,7 @@ class PoolSequence:
         self.published = table.num_tokens // mgr.block_size
         self.ids: list = list(table.block_ids)   # a private copy, kept in step with the table
         self.chain: Optional[list] = None   # L2 chain hashes of the published blocks, if known
-        # one group per forward pass, oldest first: [(layer, keys (H, T, D), values (H, T, D))]
-        self._staged: list = []
+        self._staged: list = []        # (layer, keys (H, T, D), values (H, T, D))
 
     @classmethod
     def acquire(cls, mgr, request_id: str, tokens: Sequence[int],
@@ -205,59 +200,37 @@ class PoolSequence:
         other.chain = list(self.chain) if self.chain is not None else None
         return other
 
-    @property
-    def staged_tokens(self) -> int:
-        """Tokens staged and not yet committed (every group)."""
-        return sum(g[0][1].shape[1] for g in self._staged)
-
     def reserve(self, n: int) -> None:
-        """Room for ``n`` more tokens after those stored and staged (raises
-        OutOfBlocksError; nothing changes then)."""
-        need = self.staged_tokens + n
-        if need > self.reserved:
+        """Room for ``n`` more tokens (raises OutOfBlocksError; nothing changes then)."""
+        if n > self.reserved:
             first = (self.stored + self.reserved) // self.mgr.block_size
-            got = self.mgr.prepare_append(self.table, need - self.reserved)
+            got = self.mgr.prepare_append(self.table, n - self.reserved)
             # the blocks receiving the new tokens: the first may be a copy of
             # the previous last block (copy-on-write)
             self.ids[first:] = [b.block_id for b in got]
-            self.reserved = need
+            self.reserved = n
 
     def stage(self, layer: int, keys: mx.array, values: mx.array) -> None:
-        """Queue one layer's new K/V, (H, T, D), for :meth:`commit`; a layer
-        not above the last one staged starts the next forward pass's group."""
-        if not self._staged or self._staged[-1][-1][0] >= layer:
-            self._staged.append([])
-        self._staged[-1].append((layer, keys, values))
+        """Queue one layer's new K/V, (H, T, D), for :meth:`commit`."""
+        self._staged.append((layer, keys, values))
 
-    def newest_staged(self) -> list:
-        """The arrays of the last group staged (to evaluate them with the step
-        that computes them: :meth:`commit` then has nothing to wait for)."""
-        return [a for _, k, v in self._staged[-1] for a in (k, v)] if self._staged else []
-
-    def commit(self, groups: Optional[int] = None) -> None:
-        """Write the staged K/V to the pool, the oldest ``groups`` forward
-        passes' (every one by default), evaluating them if needed."""
-        take = self._staged[:groups] if groups is not None else self._staged
-        if not take:
+    def commit(self) -> None:
+        """Write the staged K/V to the pool (evaluating them if needed)."""
+        if not self._staged:
             return
+        n = self._staged[0][1].shape[1]
         bs, w = self.mgr.block_size, self.mgr.write_kv
-        mx.eval([a for g in take for _, k, v in g for a in (k, v)])
-        for group in take:
-            n = group[0][1].shape[1]
-            for layer, k, v in group:
-                done = 0
-                while done < n:                      # the span may cross blocks
-                    pos = self.stored + done
-                    m = min(bs - pos % bs, n - done)
-                    if m == n:                       # (no slice: nothing new to evaluate)
-                        w(self.ids[pos // bs], layer, k, v, pos % bs)
-                    else:
-                        w(self.ids[pos // bs], layer, k[:, done:done + m], v[:, done:done + m],
-                          pos % bs)
-                    done += m
-            self.stored += n
-            self.reserved -= n
-        del self._staged[:len(take)]
+        mx.eval([a for _, k, v in self._staged for a in (k, v)])
+        for layer, k, v in self._staged:
+            done = 0
+            while done < n:                      # the span may cross blocks
+                pos = self.stored + done
+                m = min(bs - pos % bs, n - done)
+                w(self.ids[pos // bs], layer, k[:, done:done + m], v[:, done:done + m], pos % bs)
+                done += m
+        self._staged.clear()
+        self.stored += n
+        self.reserved -= n
 
     def publish(self, tokens: Sequence[int]) -> int:
         """Publish the full blocks stored so far; with an L2 (``mgr.l2``),
@@ -420,9 +393,6 @@ class PoolBatchKVCache(BatchKVCache):
         self.seqs = list(seqs) if seqs is not None else [None] * len(left_padding)
         self.layer = layer
         self._real_end = None     # while right-padded: where each row's real tokens end
-        # (layer 0) leave the previous forward pass's K/V staged: its caller
-        # commits them (PoolSequence.commit), while this pass is evaluated
-        self.defer_commit = False
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
         # NOTE: a right-padded prompt may come in several chunks (mlx-lm's
@@ -455,8 +425,7 @@ class PoolBatchKVCache(BatchKVCache):
         if self.layer == 0:
             for s, n in zip(self.seqs, real):
                 if s is not None:
-                    if not self.defer_commit:
-                        s.commit()
+                    s.commit()
                     s.reserve(n)
         lp = self.left_padding.tolist() if T > 1 else None
         start = self._idx

@@ -10,9 +10,7 @@ both), then --tokens greedy tokens each, run by
   ``mlx_lm.server`` runs a batch with), and
 * shmcache: the worker's :class:`~workers.worker.engine.Engine` over a fresh
   pool (prefill written through to the pool, every decode step reserving,
-  committing and publishing blocks), as ``shmcache serve`` runs it, and
-* shmcache-unpipelined: the same with ``pipeline=False`` (each step's tokens
-  read before the next step is built: what the pipeline gains).
+  committing and publishing blocks), as ``shmcache serve`` runs it.
 
 It prints the median decode step (over the steps after the first few, when
 every row is decoding), the tokens per second of the batch at that step,
@@ -55,7 +53,7 @@ def run_mlx_lm(model, prompts: list, tokens: int) -> tuple:
     return _decode_median(steps, tokens), time.perf_counter() - t0
 
 
-def run_engine(model, prompts: list, tokens: int, layout: dict, pipeline: bool = True) -> tuple:
+def run_engine(model, prompts: list, tokens: int, layout: dict) -> tuple:
     import shmcache
     from workers.protocol import SamplingParams
     from workers.wire import Gen
@@ -67,7 +65,7 @@ def run_engine(model, prompts: list, tokens: int, layout: dict, pipeline: bool =
     try:
         failed: list = []
         eng = Engine(mgr, model, [], lambda kind, payload: failed.append(payload)
-                     if kind == "failed" else None, pipeline=pipeline)
+                     if kind == "failed" else None)
         for i, p in enumerate(prompts):
             eng.submit(Gen(i + 1, list(p), SamplingParams(max_tokens=tokens, temperature=0.0), 1))
         steps = []
@@ -126,14 +124,11 @@ def main(argv=None) -> int:
         rng = random.Random(f"{args.seed}-{b}")
         # ids from 3: the low ids are special tokens in most vocabularies
         prompts = [[rng.randrange(3, vocab) for _ in range(args.context)] for _ in range(b)]
-        res: dict = {"mlx-lm": [], "shmcache": [], "shmcache-unpipelined": []}
+        res: dict = {"mlx-lm": [], "shmcache": []}
         for _ in range(args.rounds):
             res["mlx-lm"].append(run_mlx_lm(model, prompts, args.tokens))
             res["shmcache"].append(run_engine(model, prompts, args.tokens, layout))
-            res["shmcache-unpipelined"].append(
-                run_engine(model, prompts, args.tokens, layout, pipeline=False))
         ratio = [s[0] / m[0] for s, m in zip(res["shmcache"], res["mlx-lm"])]
-        plain = [s[0] / m[0] for s, m in zip(res["shmcache-unpipelined"], res["mlx-lm"])]
         line = [f"B={b}"]
         for k, v in res.items():
             step = [x[0] * 1000 for x in v]
@@ -141,8 +136,7 @@ def main(argv=None) -> int:
             line.append(f"{k}: step {min(step):.1f}-{max(step):.1f} ms "
                         f"({b * 1000 / max(step):.1f}-{b * 1000 / min(step):.1f} tok/s), "
                         f"run {min(wall):.2f}-{max(wall):.2f} s")
-        line.append(f"step shmcache/mlx-lm {min(ratio):.2f}-{max(ratio):.2f}x "
-                    f"(unpipelined {min(plain):.2f}-{max(plain):.2f}x)")
+        line.append(f"step shmcache/mlx-lm {min(ratio):.2f}-{max(ratio):.2f}x")
         print("; ".join(line), flush=True)
     return 0
 

@@ -9,8 +9,6 @@ worker), mlx_lm.server gets it through LD_PRELOAD):
               thread (OPENBLAS_NUM_THREADS unset), its own prompt cache
     c         N mlx_lm.server processes, OPENBLAS_NUM_THREADS=cores/N each; request k
               of a run goes to server k mod N (round-robin)
-    a-lend    a with --lend-cores; a-unpipelined: a with its workers' decode
-              steps not pipelined (SHMCACHE_ENGINE_PIPELINE=0): what each gives
     c-sticky  the same N servers, every chat session pinned to one server
               (--sticky balanced: session s to server s mod N, a balancer that
               places new sessions round-robin and keeps them; --sticky hash:
@@ -97,7 +95,7 @@ from tools.bench.serve_procs import (SHM_DIR, PssSampler, Server, _shm_entries, 
 from tools.bench.serve_report import (TARGETS, _ms, _span, _table, report,  # noqa: F401
                                       summarize)
 
-CONFIGS = ("a", "a-lend", "a-unpipelined", "b", "c", "c-sticky", "llama")
+CONFIGS = ("a", "a-lend", "b", "c", "c-sticky", "llama")
 DEFAULT_CONFIGS = ("a", "b", "c", "c-sticky")
 #: Debian's libopenblas0-pthread: the BLAS every configuration runs on
 DEBIAN_OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
@@ -133,11 +131,6 @@ def make_configs(workers: int, blas_path: str, sticky: str) -> dict[str, Config]
         "a-lend": Config("a-lend", "a with --lend-cores (idle workers' cores lent to busy ones)",
                          "shmcache", 1, workers, env={"SHMCACHE_BLAS": blas_path},
                          env_unset=_BLAS_ENV, serve_args=("--lend-cores",)),
-        # the same with each worker's decode steps not pipelined: what the pipeline gives
-        "a-unpipelined": Config("a-unpipelined", "a with SHMCACHE_ENGINE_PIPELINE=0 (each decode "
-                                "step read before the next is built)", "shmcache", 1, workers,
-                                env={"SHMCACHE_BLAS": blas_path, "SHMCACHE_ENGINE_PIPELINE": "0"},
-                                env_unset=_BLAS_ENV),
         "b": Config("b", f"1 x mlx_lm.server, its defaults: LD_PRELOAD OpenBLAS, "
                     f"OPENBLAS_NUM_THREADS unset ({cores} threads)", "mlx", 1, 1,
                     env={"LD_PRELOAD": blas_path}, env_unset=_BLAS_ENV),

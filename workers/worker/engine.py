@@ -85,26 +85,6 @@ cores (docs/decisions/0019-prefill-handoff.md has what it gains and costs).
 Out of blocks, the newest request is preempted (its tables deleted, its
 published blocks stay cached) and re-run from its prompt later; the
 supervisor drops the tokens it already delivered.
-
-Pipelined decode (``pipeline``, on by default), as mlx-lm's generation loops
-run: step k+1 is built and launched (``mx.async_eval``) with step k's tokens
-as lazy inputs, and only then are step k's tokens read, its K/V committed to
-the pool (``PoolSequence.commit`` of its forward pass: the batch cache
-leaves it staged, ``defer_commit``), its full blocks published and its
-tokens sent. The Python of a step (building the graph, sampling, the pool's
-commit and publish, the messages) so runs while the BLAS threads compute
-the next one. The commit points do not move: a token's K/V is written
-before the block holding it is published, and before the token is sent.
-Each row keeps its launched, unread tokens (``_Row.inflight``: at most one
-between two steps). The pipeline is drained (:meth:`Engine._flush`) before
-admission (the new rows' prefill would otherwise delay the tokens already
-computed), before preempting, and for a step that may not run ahead: a row
-whose sampling reads the previous token's value (logits processors,
-log probabilities), or a batch whose every row ends with the step in flight
-(``max_tokens``). A row that stops on an end token computes one step more
-than it needs; it is dropped unread, its staged K/V with its table. Tokens
-are the same with and without it: a row's sampling seed is its step, and
-``tests/test_engine.py`` compares both.
 """
 
 from __future__ import annotations
@@ -135,9 +115,6 @@ class _Row:
     seq: PoolSequence
     generated: list = field(default_factory=list)
     sampler: Optional[Callable] = None
-    # the tokens of steps launched and not read yet (lazy mx.array scalars,
-    # oldest first): one between two steps while the pipeline runs, else none
-    inflight: list = field(default_factory=list)
 
 
 @dataclass
@@ -191,13 +168,10 @@ class Engine:
         max_working_bytes: the most bytes of working K/V buffers (this
             process's own MLX arrays, whatever the pool shares) the batch may
             reach (None: no limit). See :meth:`working_need`.
-        pipeline: launch each decode step before reading the previous one's
-            tokens (see "Pipelined decode" in the module docstring).
     """
 
     def __init__(self, mgr, model, eos_ids, emit, worker_id: int = 0, max_batch: int = 32,
-                 prefill_step: int = 512, max_working_bytes: Optional[int] = None,
-                 pipeline: bool = True) -> None:
+                 prefill_step: int = 512, max_working_bytes: Optional[int] = None) -> None:
         self.mgr = mgr
         self.model = model
         self.eos = set(eos_ids)
@@ -207,7 +181,6 @@ class Engine:
         self.bs = mgr.block_size
         self.prefill_step = max(self.bs, prefill_step // self.bs * self.bs)
         self.max_working_bytes = max_working_bytes
-        self.pipeline = pipeline
         lay = mgr.layout
         # one token's K and V in every layer, as the working buffers hold them
         self.token_bytes = lay.num_layers * 2 * lay.num_kv_heads * lay.head_dim * \
@@ -290,10 +263,6 @@ class Engine:
     def step(self) -> None:
         """Up to ``prefill_step`` prompt tokens of prefill, then one decode step."""
         step_timing.begin(self)
-        if self.waiting or self.prefilling is not None:
-            # admission computes and changes the batch: the step in flight
-            # is read (its tokens sent) first, not after the prefill
-            self._flush()
         self._admit()
         if self.rows:
             self._decode()
@@ -693,84 +662,31 @@ class Engine:
             b.filter(mx.array(idx))
 
     def _decode(self) -> None:
-        pipelined = self._pipelinable()
-        if not pipelined:
-            self._flush()
-            if not self.rows:
-                return
-        # reserve one slot per row; out of blocks, read the step in flight
-        # (a finished row gives its blocks back), then preempt the newest request
+        # reserve one slot per row; out of blocks, preempt the newest request
         while True:
             try:
                 for r in self.rows:
                     r.seq.reserve(1)
                 break
             except OutOfBlocksError:
-                if any(r.inflight for r in self.rows):
-                    self._flush()
-                elif not self._preempt_newest():
+                if not self._preempt_newest():
                     return
                 if not self.rows:
                     return
-        rows = list(self.rows)
-        # a new row's input is its last prompt token, the others' their last
-        # token: read, or still being computed (the step in flight)
-        if any(r.inflight for r in rows):
-            y = mx.stack([r.inflight[-1].astype(mx.int32) if r.inflight
-                          else mx.array(self._last_token(r), dtype=mx.int32) for r in rows])[:, None]
-        else:
-            y = mx.array([[self._last_token(r)] for r in rows])
-        assert self.batch is not None
-        self.batch[0].defer_commit = pipelined   # the step in flight commits below
+        # a new row's input is its last prompt token, the others' their last token
+        y = mx.array([[r.generated[-1] if r.generated else r.req.gen.prompt[-1]]
+                      for r in self.rows])
         logits = self.model(y, cache=self.batch)[:, -1, :]      # (B, V)
-        toks = [self._sample(r, logits[i]) for i, r in enumerate(rows)]
-        for r, t in zip(rows, toks):
-            r.inflight.append(t)
-        if pipelined:
-            # this step computes while the previous one's tokens are read,
-            # committed and sent (its K/V slices too: commit waits for nothing)
-            mx.async_eval(toks + [a for r in rows for a in r.seq.newest_staged()])
-            self._finish([r for r in rows if len(r.inflight) == 2])
-        else:
-            self._finish(rows)
-
-    def _pipelinable(self) -> bool:
-        """Whether the next step may be launched before the one in flight is
-        read: no row's sampling needs the previous token as a value (logits
-        processors over the history, log probabilities kept per step), and
-        some row goes on after the step in flight (else it is wasted)."""
-        if not self.pipeline:
-            return False
-        for r in self.rows:
-            if r.sampler.processors or r.req.gen.params.logprobs:
-                return False
-        return any(len(r.generated) + len(r.inflight) < r.req.gen.params.max_tokens
-                   for r in self.rows)
-
-    @staticmethod
-    def _last_token(r: _Row) -> int:
-        return r.generated[-1] if r.generated else r.req.gen.prompt[-1]
-
-    def _flush(self) -> None:
-        """Read the step in flight: commit, publish and send its tokens."""
-        self._finish([r for r in self.rows if r.inflight])
-
-    def _finish(self, rows: list) -> None:
-        """Read the oldest step in flight of ``rows``: its tokens, its K/V
-        written to the pool (PoolSequence.commit of one forward pass), then
-        :meth:`_advance`."""
-        if not rows:
-            return
-        toks = [r.inflight.pop(0) for r in rows]
+        toks = [self._sample(r, logits[i]) for i, r in enumerate(self.rows)]
         mx.eval(toks)
-        for r in rows:
-            r.seq.commit(1)
-        self._advance(list(zip(rows, toks)))
+        for r in self.rows:
+            r.seq.commit()
+        self._advance(list(zip(self.rows, toks)))
 
     def _sample(self, r: _Row, logits: mx.array) -> mx.array:
         # mlx-lm's processors and sampler, seeded per (request, sample,
         # step): the same tokens on any worker and after any preemption
-        return r.sampler(logits, r.req.gen.prompt, r.generated, ahead=len(r.inflight))
+        return r.sampler(logits, r.req.gen.prompt, r.generated)
 
     def _advance(self, pairs) -> None:
         items, finished = [], set()

@@ -40,9 +40,6 @@ def _reader(q: queue.Queue) -> None:
 
 
 HEARTBEAT_S = 0.5
-# "0" in the worker's environment: decode steps are not pipelined (a
-# diagnosis switch, to measure what the pipeline gains: Engine's pipeline)
-PIPELINE_ENV = "SHMCACHE_ENGINE_PIPELINE"
 
 
 def _heartbeat(writer, last: list, stop: threading.Event) -> None:
@@ -112,8 +109,7 @@ def main(argv=None) -> int:
             writer.send(wire.Failed(*payload))
 
     engine = Engine(mgr, model, tokenizer.eos_token_ids, emit, args.id, args.max_batch,
-                    args.prefill_step, args.max_working_bytes,
-                    pipeline=os.environ.get(PIPELINE_ENV, "1") != "0")
+                    args.prefill_step, args.max_working_bytes)
     q: queue.Queue = queue.Queue()
     threading.Thread(target=_reader, args=(q,), daemon=True).start()
     writer.send(wire.Ready(args.id, os.getpid()))

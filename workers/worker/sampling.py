@@ -73,27 +73,16 @@ class RowSampler:
         self.context = None if (not sizes or 0 in sizes) else max(sizes)
         self._pending: Optional[tuple] = None    # (logprob of the token, top) of the last step
 
-    def __call__(self, logits: mx.array, prompt: list, generated: list,
-                 ahead: int = 0) -> mx.array:
+    def __call__(self, logits: mx.array, prompt: list, generated: list) -> mx.array:
         """The next token (a lazy ``mx.array`` scalar) from the row's logits ``(V,)``.
 
         Args:
             logits: the model's logits for the row's last position.
             prompt: the request's prompt token ids.
-            generated: the tokens this sample has generated and the caller
-                has read so far.
-            ahead: the tokens generated after those, not read yet (a
-                pipelined step): the step is ``len(generated) + ahead``.
-                Only without logits processors (they read the history) or
-                log probabilities (kept for one step).
-
-        Raises:
-            ValueError: ``ahead`` with processors or log probabilities.
+            generated: the tokens this sample has generated so far (their
+                count is the step).
         """
         p = self.params
-        if ahead and (self.processors or p.logprobs):
-            raise ValueError("a step ahead of the tokens read needs no logits processors "
-                             "and no logprobs")
         if self.processors:
             history = prompt + generated
             if self.context is not None:
@@ -111,7 +100,7 @@ class RowSampler:
         else:
             # seeded per (request, sample, step): the same tokens on any
             # worker and after any preemption
-            mx.random.seed(step_seed(self.seed, self.sample, len(generated) + ahead))
+            mx.random.seed(step_seed(self.seed, self.sample, len(generated)))
             assert self.sampler is not None             # (not greedy)
             tok = self.sampler(logprobs[None])[0]
         if p.logprobs:

@@ -15,7 +15,9 @@
 # One workload of 2 rounds over a, b, c (and c-sticky for chat) is sized to
 # stay within a 10-minute command; "all" may not.
 #
-# Environment: VENV (default /tmp/shmcache-bench-venv), WORKERS (8), ROUNDS (2).
+# Environment: VENV (default /tmp/shmcache-bench-venv), WORKERS (8), ROUNDS (2),
+# STEP_LOGS=1: every worker's step log (SHMCACHE_STEP_TIMING) packed into one
+# $OUT/steps-WORKLOAD.tar.gz (the device returns only a few files a call).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
@@ -118,10 +120,22 @@ bench() {
   esac
   local out="${OUT:-.}/bench-${workload//,/-}.json"
   say "cores $(nproc); load $(cut -d' ' -f1-3 /proc/loadavg); workload $workload"
+  local steps=""
+  if [ "${STEP_LOGS:-0}" = 1 ]; then
+    steps=$(mktemp -d /tmp/shmcache-steps.XXXXXX)
+    export SHMCACHE_STEP_TIMING="$steps"
+  fi
+  local rc=0
   "$VENV/bin/python" -m tools.bench.serve --model realistic --workers "$WORKERS" \
     --rounds "$ROUNDS" --workloads "$workload" --max-tokens 16 --startup-timeout 600 \
-    "${extra[@]}" --json "$out" "$@"
+    "${extra[@]}" --json "$out" "$@" || rc=$?
   say "figures in $out"
+  if [ -n "$steps" ]; then
+    tar -czf "${OUT:-.}/steps-${workload//,/-}.tar.gz" -C "$steps" .
+    rm -rf "$steps"
+    say "step logs in ${OUT:-.}/steps-${workload//,/-}.tar.gz (one engine-PID.log per worker)"
+  fi
+  return "$rc"
 }
 
 cmd=${1:-all}; shift || true

@@ -203,9 +203,13 @@ class PoolView:
         s.update(cache_hits=hits, cache_misses=misses, prefix_hit_rate=prefix_hit_rate(hits, misses),
                  cow_copies=int(k.cow), evictions=int(k.evictions))
         s["usage"] = s["allocated_blocks"] / s["total_blocks"]
-        n = self.layout.max_blocks
-        s.update(block_usage(self.blocks["ref_count"][:n], self.blocks["flags"][:n]))
+        s.update(self._block_usage())
         return s
+
+    def _block_usage(self) -> dict:
+        """``block_usage`` of the pool's blocks (referenced, cached, free)."""
+        n = self.layout.max_blocks
+        return block_usage(self.blocks["ref_count"][:n], self.blocks["flags"][:n])
 
     def l2_counters(self) -> dict:
         """The pool-wide L2 counters (``layout.L2_COUNTERS``: every process's
@@ -311,8 +315,7 @@ class PoolView:
             n = self.layout.max_blocks
             d.update(max_blocks=n, block_size=self.layout.block_size,
                      allocated_blocks=n - int(self.counters.num_free) - reserve.reserved_total(self),
-                     cached_blocks=block_usage(self.blocks["ref_count"][:n],
-                                               self.blocks["flags"][:n])["blocks_cached"],
+                     cached_blocks=self._block_usage()["blocks_cached"],
                      attached=len(self.live_slots()))
             d["usage"] = d["allocated_blocks"] / n
         return d

@@ -172,7 +172,8 @@ def test_preempted_requests_still_match_mlx_lm(model_dir, reference):
     """A pool too small for four requests at once (23 usable blocks; each
     request needs 9 at its end, alone it fits): the worker preempts its
     newest request when a decode step finds no free block, re-runs it later
-    from its prompt, and every answer still equals its mlx-lm reference."""
+    from its prompt, and every answer still equals its mlx-lm reference.
+    Such a pool is warned about at startup."""
     rng = random.Random(707)
     jobs = [printable(rng, 40) for _ in range(4)]
     refs = [reference.greedy(p, 100) for p in jobs]
@@ -189,3 +190,6 @@ def test_preempted_requests_still_match_mlx_lm(model_dir, reference):
             answers = list(ex.map(run, jobs))
         assert answers == refs
         assert srv.metric("shmcache_preemptions_total") >= 1, "the pool never ran short"
+        # the operator was told at startup that the pool holds less than one context
+        assert "--max-blocks 24 holds 368 tokens, less than the model's context of 8192" \
+            in srv.log()

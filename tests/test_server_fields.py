@@ -128,6 +128,8 @@ def test_honoured_field_reaches_the_backend(http, fake, field, path):
     if field in ("prompt", "messages"):
         body.pop("prompt" if path == C else "messages")
     body[field] = value
+    if field == "stream_options":
+        body["stream"] = True            # (refused without it: see BAD_VALUES)
     r = http.post(path, json=body)
     assert r.status_code == 200, r.text
     rec = fake.calls[-1]
@@ -162,6 +164,8 @@ BAD_VALUES = [
     (C, {"top_logprobs": 21}, "top_logprobs", "top_logprobs"),
     (C, {"logprobs": 50}, "logprobs", "logprobs"),
     (CH, {"logprobs": 2}, "logprobs", "logprobs"),
+    (C, {"stream_options": {"include_usage": True}}, "stream_options", "'stream' is true"),
+    (CH, {"stream": False, "stream_options": {}}, "stream_options", "'stream' is true"),
     (C, {"frobnicate": 1}, "frobnicate", "Unrecognized request argument"),
     (CH, {"store": True}, "store", "Unrecognized request argument"),
     (CH, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",

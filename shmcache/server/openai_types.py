@@ -138,10 +138,13 @@ class _Common(_Strict):
 
     def unsupported(self) -> Optional[tuple[str, str]]:
         """(param, message) for a parameter set to something this server does
-        not implement, or None."""
+        not implement (or, for ``stream_options``, not without ``stream``), or None."""
         for name, why in _REFUSED.items():
             if getattr(self, name) is not None:
                 return name, f"'{name}' is not supported: {why}"
+        if self.stream_options is not None and not self.stream:
+            # (OpenAI and vLLM refuse it too: the options apply to a stream only)
+            return "stream_options", "'stream_options' is only allowed when 'stream' is true"
         return None
 
     def logit_bias_ids(self) -> dict[int, float]:

@@ -382,6 +382,12 @@ class WorkerProcesses:
                 per_block, free, overhead=lambda n: size(n) - n * per_block)
             log.info("pool: %d blocks of %d tokens, %.0f MiB (%s; --max-blocks sets it)",
                      self.max_blocks, self.block_size, size(self.max_blocks) / 2**20, why)
+        else:
+            holds = (self.max_blocks - 1) * self.block_size
+            if self.context_length and holds < self.context_length:
+                log.warning("pool: --max-blocks %d holds %d tokens, less than the model's "
+                            "context of %d: longer requests (prompt + max_tokens) are refused "
+                            "with a 400", self.max_blocks, holds, self.context_length)
         self.mgr = shmcache.create_pool(
             self.pool_name, block_size=self.block_size, max_blocks=self.max_blocks,
             max_slots=max_slots, max_refs=16 * self.max_blocks, max_tables=max_tables, **lay)

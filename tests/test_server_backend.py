@@ -193,35 +193,128 @@ def _blas_threads(text: str) -> dict:
         r'^shmcache_worker_blas_threads\{worker="(\d+)"\} ([0-9.]+)$', text, re.M)}
 
 
+def test_core_shares_lend_idle_cores_to_decoding_workers_first():
+    """(A pure function, no process.) 16 CPUs, 8 workers of 2 threads: the
+    idle workers' cores go to the decoding workers, a worker that only
+    prefills keeps its own share; with none decoding, the busy ones share
+    them; the sum over busy workers never passes the CPUs."""
+    from workers.supervisor.worker_procs import core_shares
+
+    def shares(busy, decoding, n=8, cpus=16, base=2):
+        out = core_shares([(i, i in busy, i in decoding) for i in range(n)], cpus, base)
+        assert sum(out[i] for i in busy) <= cpus
+        return out
+    # 4 decode, 2 prefill, 2 idle: the idle ones' 4 cores, one to each decoder
+    s = shares(busy={0, 1, 2, 3, 4, 5}, decoding={0, 1, 2, 3})
+    assert [s[i] for i in range(8)] == [3, 3, 3, 3, 2, 2, 2, 2]
+    # 4 decode, 4 idle: 4 threads each
+    s = shares(busy={0, 1, 2, 3}, decoding={0, 1, 2, 3})
+    assert [s[i] for i in range(4)] == [4] * 4
+    # one long prompt on an idle server: all the CPUs
+    s = shares(busy={5}, decoding=set())
+    assert s[5] == 16 and s[0] == 2
+    # everyone busy: each its own share; nobody busy: the same
+    assert set(shares(busy=set(range(8)), decoding={0}).values()) == {2}
+    assert set(shares(busy=set(), decoding=set()).values()) == {2}
+    # 3 decoding on 16: 10 cores to lend, 3 more each (one left over)
+    s = shares(busy={0, 1, 2}, decoding={0, 1, 2})
+    assert [s[i] for i in range(3)] == [5, 5, 5]
+
+
 @pytest.mark.timeout(300)
 def test_idle_workers_lend_their_cores_to_the_busy_one(model_dir, reference):
     """--lend-cores, one request on 2 workers: each worker starts with half
     the CPUs as BLAS threads, and while only one has work it runs on all of
-    them (the idle worker's share is lent: it makes no BLAS calls). The worker itself reports
-    the thread count its BLAS runs, and /metrics shows it; the tokens are the
-    same as with one thread."""
+    them (the idle worker's share is lent: it makes no BLAS calls). The
+    worker itself reports the thread count its BLAS runs, before the step
+    that runs them, and /metrics shows it; idle again, it gives the lent
+    cores back. The tokens are the same as with one thread."""
     cpus = len(os.sched_getaffinity(0))
     if cpus < 2:
         pytest.skip(f"{cpus} CPU: nothing to lend")
     with serving(model_dir, "--workers", 2, "--max-blocks", 256, "--lend-cores") as srv:
         client = srv.client()
         share = max(1, cpus // 2)
-        deadline = time.monotonic() + 30
-        while sorted(_blas_threads(srv.get("/metrics").text).values()) != [share, share]:
-            assert time.monotonic() < deadline, srv.get("/metrics").text
-            time.sleep(0.1)
+
+        def threads_become(want):
+            deadline = time.monotonic() + 30
+            while sorted(_blas_threads(srv.get("/metrics").text).values()) != want:
+                assert time.monotonic() < deadline, srv.get("/metrics").text
+                time.sleep(0.05)
+
+        threads_become([share, share])
         prompt = printable(random.Random(5), 120)
+        parts = []
+        for chunk in client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=300,
+                                               temperature=0, stream=True):
+            if not parts:
+                # the worker serving it was told all the CPUs, and says it runs them
+                assert sorted(_blas_threads(srv.get("/metrics").text).values()) == \
+                    [share, cpus], srv.get("/metrics").text
+            parts.extend(c.text for c in chunk.choices)
+        assert "".join(parts) == reference.greedy(prompt, 300).text
+        threads_become([share, share])          # idle: the lent cores given back
         r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24,
                                       temperature=0)
         assert got(r) == reference.greedy(prompt, 24)
-        # the worker that served it was told all the CPUs, and says it runs them
+
+
+def _steps(path) -> list:
+    """(start, end, threads, computes) of each step in an engine step log."""
+    out = []
+    for line in open(path):
+        m = re.match(r"(\S+) total=(\S+) .* threads=(\d+)", line)
+        end, ms, threads = float(m.group(1)), float(m.group(2)), int(m.group(3))
+        computes = any(k in line for k in ("_decode=", "_forward_chunk=", "_prefill_group="))
+        out.append((end - ms / 1000, end, threads, computes))
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_gets_its_lent_cores_back_before_it_computes(model_dir, reference, tmp_path,
+                                                              monkeypatch):
+    """--lend-cores: worker A prefills a long prompt on all the CPUs (chunks
+    of 512 tokens, one a step); meanwhile a second request goes to idle
+    worker B. B's request is sent only once A has given back B's cores: from
+    the workers' own step logs, no step of B that computes overlaps a step
+    A ran with more than its share. Both answers are the reference's."""
+    cpus = len(os.sched_getaffinity(0))
+    if cpus < 2:
+        pytest.skip(f"{cpus} CPU: nothing to lend")
+    monkeypatch.setenv("SHMCACHE_STEP_TIMING", str(tmp_path))
+    share = cpus // 2
+    with serving(model_dir, "--workers", 2, "--max-blocks", 512, "--lend-cores") as srv:
+        client = srv.client()
+        long_prompt = printable(random.Random(8), 2000)
+        short_prompt = printable(random.Random(9), 40)
+        answers: dict = {}
+
+        def ask(key, prompt, n):
+            answers[key] = got(client.completions.create(model=MODEL_NAME, prompt=prompt,
+                                                         max_tokens=n, temperature=0))
+        a = threading.Thread(target=ask, args=("a", long_prompt, 8))
+        a.start()
         deadline = time.monotonic() + 30
-        while max(_blas_threads(srv.get("/metrics").text).values()) != cpus:
+        while max(_blas_threads(srv.get("/metrics").text).values(), default=0) != cpus:
             assert time.monotonic() < deadline, srv.get("/metrics").text
-            time.sleep(0.1)
-        r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24,
-                                      temperature=0)
-        assert got(r) == reference.greedy(prompt, 24)
+            time.sleep(0.005)
+        ask("b", short_prompt, 8)        # A is in its prefill, on all the CPUs
+        a.join(120)
+        assert answers == {"a": reference.greedy(long_prompt, 8),
+                           "b": reference.greedy(short_prompt, 8)}
+        pids = [p.pid for p in srv.worker_procs()]
+    logs = {pid: _steps(tmp_path / f"engine-{pid}.log") for pid in pids
+            if (tmp_path / f"engine-{pid}.log").exists()}
+    assert len(logs) == 2, os.listdir(tmp_path)
+    first = {pid: min(s for s, _, _, c in st if c) for pid, st in logs.items()}
+    a_steps, b_steps = (logs[pid] for pid in sorted(first, key=first.get))
+    lent = [(s, e) for s, e, t, c in a_steps if c and t > share]
+    assert lent, "A never ran more than its share"
+    tol = 0.0015                         # the log's clock: milliseconds
+    b_work = [(s, e) for s, e, _, c in b_steps if c]
+    overlaps = [(bs, be, s, e) for bs, be in b_work for s, e in lent
+                if s < be - tol and bs < e - tol]
+    assert not overlaps, overlaps
 
 
 @pytest.mark.timeout(120)

@@ -77,6 +77,9 @@ from .worker_procs import (DEFAULT_MAX_RERUNS, DEFAULT_STALL_S, Flight, WorkerPr
 
 log = logging.getLogger("shmcache.server")
 
+#: how long a request for an idle worker waits for its lent cores to come back
+RECLAIM_WAIT_S = 0.5
+
 
 class WorkerBackend:
     """Worker processes over one shared pool (see the module docstring).
@@ -329,22 +332,58 @@ class WorkerBackend:
         self._lend_cores()
 
     def _lend_cores(self) -> None:
-        """With ``--lend-cores``: tell each worker with requests how many BLAS
-        threads to run, the cores of the idle workers lent to the busy ones
+        """With ``--lend-cores``: tell each worker how many BLAS threads to
+        run, the idle workers' cores lent to the decoding ones
         (``core_shares``). Off by default, and when the operator chose the
-        threads ($SHMCACHE_BLAS_THREADS)."""
+        threads ($SHMCACHE_BLAS_THREADS). A smaller share goes out at once; a
+        larger one only while the cores it adds are free, counting each busy
+        worker at the most threads it may still run (told or last reported:
+        it applies a new count between two steps and reports it then,
+        ``Load``); the reports call this again."""
         if not self.lend_cores:
             return
         live = self.procs.live()
-        busy = [w for w in live if w.flights]
-        n = core_shares(len(busy), self.procs.cpus, self.procs.blas_share)
-        for w in busy:
-            if w.blas_threads != n:
-                try:
-                    w.send(wire.Threads(n))
-                except (OSError, RuntimeError, AttributeError):   # dying: the heartbeat acts
-                    continue
-                w.blas_threads = n
+        shares = core_shares([(w.idx, bool(w.flights), self._rows(w) > 0) for w in live],
+                             self.procs.cpus, self.procs.blas_share)
+        grow = []
+        for w in live:
+            n = shares[w.idx]
+            if n < w.blas_threads:
+                self._tell_threads(w, n)
+            elif n > w.blas_threads:
+                grow.append(w)
+        for w in grow:
+            if self._cores_in_use(but=w) + shares[w.idx] <= self.procs.cpus:
+                self._tell_threads(w, shares[w.idx])
+
+    def _cores_in_use(self, but: Optional[WorkerProc] = None) -> int:
+        """BLAS threads the busy workers (but ``but``) may be running now."""
+        return sum(max(w.blas_threads, w.blas_threads_running) for w in self.procs.live()
+                   if w.flights and w is not but)
+
+    @staticmethod
+    def _tell_threads(w: WorkerProc, n: int) -> None:
+        try:
+            w.send(wire.Threads(n))
+        except (OSError, RuntimeError, AttributeError):   # dying: the heartbeat acts
+            return
+        w.blas_threads = n
+
+    async def _cores_back(self, w: WorkerProc) -> None:
+        """``w`` was idle and gets a request: wait until the workers that
+        borrowed its cores run their smaller shares (at most
+        ``RECLAIM_WAIT_S``: a worker in a long prefill chunk reports late,
+        and then the two share the cores for the rest of that chunk)."""
+        deadline = asyncio.get_running_loop().time() + RECLAIM_WAIT_S
+        while self._cores_in_use(but=w) + w.blas_threads > self.procs.cpus:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                return
+            changed = self._changed
+            try:
+                await asyncio.wait_for(changed.wait(), left)
+            except asyncio.TimeoutError:
+                return
 
     async def _dispatch(self, f: Flight) -> None:
         while True:
@@ -380,8 +419,13 @@ class WorkerBackend:
         elif f.parked is not None:
             gen = msgspec.structs.replace(gen, adopt=f.parked[1])
             f.progress = len(gen.prompt) - 1
+        was_idle = not w.flights
         w.flights[f.gen.id] = f
         self._lend_cores()              # before the request: its prefill runs with them
+        if self.lend_cores and was_idle:
+            await self._cores_back(w)
+            if f.gone or self.procs.closing or w.flights.get(f.gen.id) is not f:
+                return                   # (the client left, or the worker died, meanwhile)
         w.send(gen)
 
     # ---------------------------------------------------------- interface
@@ -526,7 +570,10 @@ class WorkerBackend:
                 f.q.put_nowait(Error(msg.message, msg.status))
         elif isinstance(msg, wire.Load):
             w.preemptions, w.working_bytes = msg.preemptions, msg.working_bytes
-            w.blas_threads_running = msg.blas_threads
+            if msg.blas_threads != w.blas_threads_running:
+                w.blas_threads_running = msg.blas_threads
+                if self.lend_cores:
+                    self._moved()        # cores given back: a larger share may go out
             if msg.l2:
                 w.l2 = msg.l2
         elif isinstance(msg, wire.Ready):

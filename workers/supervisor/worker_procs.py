@@ -151,21 +151,39 @@ def cpus_available() -> int:
         return os.cpu_count() or 1
 
 
-def core_shares(busy: int, cpus: int, base: int) -> int:
-    """BLAS threads for each of ``busy`` workers that have requests, when the
-    other workers are idle: the ``cpus`` shared out among the busy ones, never
-    fewer than ``base`` (each worker's own share, ``blas_threads_per_worker``).
+def core_shares(workers: list, cpus: int, base: int) -> dict:
+    """BLAS threads for each worker, the idle workers' cores lent out.
 
-    Why lend: a worker computes with its own BLAS threads only, so one long
-    prefill on a worker of 8 would use 2 of 16 cores while the other 14 wait
-    (with a shared system prompt, every other request waits on that prefill).
-    N separate servers cannot lend each other cores; one supervisor can. An
-    idle worker makes no BLAS calls, so its share is free to lend, and the
-    sum over busy workers never exceeds ``cpus`` (except for one step, while
-    a worker that was lent cores finishes the step it started with them)."""
-    if busy <= 0:
-        return base
-    return max(base, cpus // busy)
+    ``workers``: ``(idx, busy, decoding)`` for each live worker (``busy``: it
+    has requests; ``decoding``: it runs rows). Every worker keeps its own
+    share, ``base`` (``blas_threads_per_worker``); the cores of the idle
+    ones are shared out among the decoding workers, or among the busy ones
+    when none decodes. Returns ``{idx: threads}``.
+
+    Why lend: a worker computes with its own BLAS threads only, so with
+    requests on a few workers the other workers' cores wait. N separate
+    servers cannot lend each other cores; one supervisor can. An idle
+    worker makes no BLAS calls, so its share is free to lend. Decoding
+    workers get them first: a CPU decode step is a few thin matrix products
+    per layer over every weight, which more threads speed up (on 16 cores,
+    4 rows: 66 ms a step on 2 threads, 52 on 4), while a prefill is bound by
+    compute and scales with processes more than threads (a process
+    prefills 375 tok/s on 2 threads, 419 on 4; decision 0019's table).
+    With no decoding worker (a long prompt on an idle server) the busy ones
+    take them.
+
+    INVARIANT: the sum over busy workers is at most ``cpus`` once every
+    worker runs what it was told. The supervisor keeps it while the told
+    counts change (``WorkerBackend._lend_cores``): a smaller share is sent
+    at once, a larger one only when the cores it takes are free, and a
+    request for an idle worker waits (briefly) until the workers that
+    borrowed its cores have given them back: an oversubscribed core slows
+    every thread of a BLAS call that runs on it."""
+    busy = [i for i, b, _ in workers if b]
+    takers = [i for i, b, d in workers if b and d] or busy
+    free = cpus - base * len(busy)
+    extra = free // len(takers) if takers and free > 0 else 0
+    return {i: base + (extra if i in takers else 0) for i, _, _ in workers}
 
 
 MIN_WORKING_BYTES = 256 << 20
@@ -420,6 +438,7 @@ class WorkerProcesses:
         # what the worker will run: the operator's value, or 1 where that is
         # not a positive integer (shmcache.system.blas warns, there)
         w.blas_threads = threads_from_env(env) or 1
+        w.blas_threads_running = 0                 # (until the new process reports)
         extra: list[str] = []
         if self.l2_url:
             if self.l2_secret is not None:

@@ -116,6 +116,18 @@ def main(argv=None) -> int:
     last_load = 0.0
     beat = [wire.Load(args.id, 0, 0, 0, 0, {}), time.monotonic()]
     beat_stop = threading.Event()
+
+    def report() -> None:
+        """Send this worker's counters (``Load``) now."""
+        nonlocal last_load
+        last_load = time.monotonic()
+        beat[0] = wire.Load(args.id, len(engine.rows), len(engine.waiting),
+                            engine.preemptions, engine.working_bytes(),
+                            mgr.l2.stats() if mgr.l2 is not None else {},
+                            shmcache.system.blas.threads() or 0)
+        writer.send(beat[0])
+        beat[1] = last_load
+
     threading.Thread(target=_heartbeat, args=(writer, beat, beat_stop), daemon=True).start()
     try:
         while True:
@@ -128,6 +140,7 @@ def main(argv=None) -> int:
                     msg = q.get_nowait()
             except queue.Empty:
                 msg = False
+            told = False
             while msg is not False:
                 if msg is None or isinstance(msg, wire.Stop):
                     return 0
@@ -139,20 +152,17 @@ def main(argv=None) -> int:
                     engine.unpark(msg.id)
                 elif isinstance(msg, wire.Threads):
                     shmcache.system.blas.use_fast_blas(threads=msg.n)   # from this step on
+                    told = True
                 try:
                     msg = q.get_nowait()
                 except queue.Empty:
                     msg = False
+            if told:
+                report()                 # before the step: the supervisor lends the
+                #                          cores given back only once they are
             engine.step()
-            now = time.monotonic()
-            if now - last_load > 0.5:
-                last_load = now
-                beat[0] = wire.Load(args.id, len(engine.rows), len(engine.waiting),
-                                    engine.preemptions, engine.working_bytes(),
-                                    mgr.l2.stats() if mgr.l2 is not None else {},
-                                    shmcache.system.blas.threads() or 0)
-                writer.send(beat[0])
-                beat[1] = now
+            if time.monotonic() - last_load > 0.5:
+                report()
     except BrokenPipeError:
         return 0
     finally:

@@ -173,11 +173,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "N samples before an idle worker starts decoding (a CPU decode step "
                         "costs about the same for 1 row or 4; default: %(default)s)")
     p.add_argument("--lend-cores", action="store_true",
-                   help="let a worker with requests run BLAS on the cores of the idle workers "
-                        "(their share of the CPUs, which they leave unused); off by default: "
-                        "on 16 cores it did not raise chat throughput and lengthened the "
-                        "pauses within replies (docs/decisions/0015-lend-idle-cores.md); "
-                        "ignored when $SHMCACHE_BLAS_THREADS is set")
+                   help="let the decoding workers run BLAS on the cores of the idle workers "
+                        "(their share of the CPUs, which they leave unused), given back "
+                        "before an idle worker computes; off by default: it raised "
+                        "throughput up to 1.13x with every chat session in flight, but "
+                        "lengthened TTFT and inter-token gaps on 2 cores "
+                        "(docs/decisions/0015-lend-idle-cores.md); ignored when "
+                        "$SHMCACHE_BLAS_THREADS is set")
     p.add_argument("--pool-name", metavar="NAME", type=_pool_name, default=None,
                    help="the pool's name in /dev/shm (default: serve-<pid>; give each server "
                         "its own when containers share /dev/shm with --ipc=host)")

@@ -170,7 +170,10 @@ def core_shares(workers: list, cpus: int, base: int) -> dict:
     compute and scales with processes more than threads (a process
     prefills 375 tok/s on 2 threads, 419 on 4; decision 0019's table).
     With no decoding worker (a long prompt on an idle server) the busy ones
-    take them.
+    take them: alone, a prompt gains from them (a 460-token prompt computed
+    while the other workers waited for its blocks: 0.91 s on 16 threads,
+    1.36-1.38 s on 2; 16 cores, `realistic:6`, the serving benchmark's step
+    logs).
 
     INVARIANT: the sum over busy workers is at most ``cpus`` once every
     worker runs what it was told. The supervisor keeps it while the told

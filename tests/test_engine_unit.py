@@ -380,6 +380,34 @@ def test_a_step_computes_at_most_prefill_step_prompt_tokens_and_still_decodes(fa
 
 
 @pytest.mark.timeout(60)
+def test_a_decoding_worker_computes_at_most_decoding_prefill_step_tokens_a_step(fakes):
+    """--decoding-prefill-step: with no running row a step computes up to
+    ``prefill_step`` prompt tokens; a step that starts with running rows,
+    up to ``decoding_prefill_step``, and the rows still get a token."""
+    eng, mgr, model, ev = make_engine(200, prefill_step=16, decoding_prefill_step=6)
+    assert (eng.prefill_step, eng.decoding_prefill_step) == (16, 4)    # whole blocks
+    assert make_engine(100, prefill_step=8, decoding_prefill_step=64)[0] \
+        .decoding_prefill_step == 8                  # never more than prefill_step
+    assert make_engine(100, prefill_step=8)[0].decoding_prefill_step == 8   # the default
+    eng.submit(gen(1, 21, max_tokens=30))            # idle: 16 tokens, then the 4 left
+    eng.step()
+    assert [c[2] for c in model.calls if c[0] == "prefill"] == [16]
+    eng.step()
+    assert len(ev.tokens(1)) == 1
+    eng.submit(gen(2, 21, max_tokens=2))
+    chunks = []
+    while not any(k == "admitted" and p[0] == 2 for k, p in ev.log):
+        model.calls.clear()
+        before = len(ev.tokens(1))
+        eng.step()
+        step = [c[2] for c in model.calls if c[0] == "prefill"]
+        assert sum(step) <= 4, step
+        assert len(ev.tokens(1)) == before + 1       # the running row still decodes
+        chunks += step
+    assert chunks == [4, 4, 4, 4, 4]                 # prompt[:-1]: 20 tokens
+
+
+@pytest.mark.timeout(60)
 def test_cancel_during_prefill_releases_the_blocks_and_stops(fakes):
     eng, mgr, model, ev = make_engine(100, prefill_step=4)
     eng.submit(gen(1, 30))

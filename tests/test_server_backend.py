@@ -317,6 +317,35 @@ def test_a_worker_gets_its_lent_cores_back_before_it_computes(model_dir, referen
     assert not overlaps, overlaps
 
 
+@pytest.mark.timeout(300)
+def test_decoding_prefill_step_reaches_the_workers_and_keeps_the_answers(model_dir, reference,
+                                                                         tmp_path, monkeypatch):
+    """--decoding-prefill-step 16: the worker runs with it; a 300-token
+    prompt admitted while a reply streams on the same worker is computed in
+    steps of at most one block (the worker's step log: no step with a
+    running row computes more), and both answers are the reference's."""
+    monkeypatch.setenv("SHMCACHE_STEP_TIMING", str(tmp_path))
+    with serving(model_dir, "--workers", 1, "--max-blocks", 256,
+                 "--decoding-prefill-step", BS) as srv:
+        (proc,) = srv.worker_procs()
+        assert proc.cmdline()[proc.cmdline().index("--decoding-prefill-step") + 1] == str(BS)
+        client = srv.client()
+        first, second = printable(random.Random(3), 20), printable(random.Random(4), 300)
+        parts, answer = [], None
+        for chunk in client.completions.create(model=MODEL_NAME, prompt=first, max_tokens=200,
+                                               temperature=0, stream=True):
+            parts.extend(c.text for c in chunk.choices)
+            if len(parts) == 5:
+                answer = got(client.completions.create(model=MODEL_NAME, prompt=second,
+                                                       max_tokens=8, temperature=0))
+        assert "".join(parts) == reference.greedy(first, 200).text
+        assert answer == reference.greedy(second, 8)
+    lines = open(tmp_path / f"engine-{proc.pid}.log").read().splitlines()
+    chunked = [ln for ln in lines if "_forward_chunk=" in ln and not ln.split("rows=")[1]
+               .startswith("0->")]
+    assert len(chunked) >= 300 // BS - 1, lines      # one block a step while the reply runs
+
+
 @pytest.mark.timeout(120)
 def test_an_empty_blas_threads_setting_starts_workers_with_their_share(model_dir, reference,
                                                                        monkeypatch):

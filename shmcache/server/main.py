@@ -161,6 +161,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "for its running requests (rounded down to whole blocks; default: "
                         "%(default)s). Larger: faster prefill; smaller: shorter pauses in the "
                         "replies streaming from the same worker")
+    p.add_argument("--decoding-prefill-step", metavar="N", type=_positive, default=None,
+                   help="the same, for a worker that is decoding replies (default: "
+                        "--prefill-step): a smaller value cuts the pauses a prompt makes in "
+                        "the replies of the worker computing it, and lengthens that prompt's "
+                        "time to first token (on a CPU a step's prefill costs about its "
+                        "tokens' share of the compute)")
     p.add_argument("--handoff-tokens", metavar="N", type=_non_negative, default=32,
                    help="with at least as many requests in flight as workers, a request "
                         "with at least N prompt tokens the pool does not hold is prefilled by "
@@ -341,6 +347,7 @@ def _run(args, sock) -> int:
                                     l2_ttl=args.l2_ttl,
                                     pool_name=args.pool_name,
                                     prefill_step=args.prefill_step,
+                                    decoding_prefill_step=args.decoding_prefill_step,
                                     lend_cores=args.lend_cores,
                                     handoff_tokens=args.handoff_tokens,
                                     pack_rows=args.pack_rows,

@@ -117,7 +117,8 @@ class WorkerBackend:
                  max_batch: int = 32, l2: Optional[str] = None,
                  cluster_secret: Optional[str] = None, l2_timeout: Optional[float] = None,
                  l2_retry: Optional[float] = None, l2_ttl: Optional[int] = None,
-                 prefill_step: int = 512, lend_cores: bool = False,
+                 prefill_step: int = 512, decoding_prefill_step: Optional[int] = None,
+                 lend_cores: bool = False,
                  stall_s: float = DEFAULT_STALL_S, max_reruns: int = DEFAULT_MAX_RERUNS,
                  max_working_bytes: Optional[int] = None, handoff_tokens: int = 32,
                  pack_rows: int = 4) -> None:
@@ -151,7 +152,8 @@ class WorkerBackend:
             check_url(l2)
         self.procs = WorkerProcesses(
             self.path, workers, block_size=block_size, max_blocks=max_blocks,
-            max_batch=max_batch, prefill_step=self.prefill_step, pool_name=self.pool_name,
+            max_batch=max_batch, prefill_step=self.prefill_step,
+            decoding_prefill_step=decoding_prefill_step, pool_name=self.pool_name,
             on_message=self._on, redispatch=self._dispatch,
             startup_cancelled=lambda: self.startup_cancelled(),
             l2_url=l2, cluster_secret=cluster_secret.encode() if cluster_secret else None,

@@ -277,7 +277,9 @@ class WorkerProcesses:
         n_workers: worker processes.
         block_size: tokens per block.
         max_blocks: pool blocks (None: :func:`choose_pool_blocks` at ``prepare``).
-        max_batch, prefill_step: each worker's (``--max-batch``, ``--prefill-step``).
+        max_batch, prefill_step, decoding_prefill_step: each worker's
+            (``--max-batch``, ``--prefill-step``, ``--decoding-prefill-step``;
+            None: its default).
         pool_name: the pool's name.
         on_message: called with each message a worker sends.
         redispatch: awaited with each request of a dead worker to run again.
@@ -295,6 +297,7 @@ class WorkerProcesses:
 
     def __init__(self, path: Path, n_workers: int, *, block_size: int,
                  max_blocks: Optional[int], max_batch: int, prefill_step: int, pool_name: str,
+                 decoding_prefill_step: Optional[int] = None,
                  on_message: Callable[[WorkerProc, Any], None],
                  redispatch: Callable[[Flight], Awaitable[None]],
                  startup_cancelled: Callable[[], bool] = lambda: False,
@@ -309,6 +312,7 @@ class WorkerProcesses:
         self.max_blocks = max_blocks
         self.max_batch = max_batch
         self.prefill_step = prefill_step
+        self.decoding_prefill_step = decoding_prefill_step
         self.pool_name = pool_name
         self.on_message = on_message
         self.redispatch = redispatch
@@ -451,6 +455,8 @@ class WorkerProcesses:
                             ("--l2-ttl", self.l2_ttl)):
                 if v is not None:
                     extra += [flag, str(v)]
+        if self.decoding_prefill_step is not None:
+            extra += ["--decoding-prefill-step", str(self.decoding_prefill_step)]
         w.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "workers.worker.main", "--pool", self.pool_name,
             "--model", str(self.path), "--id", str(w.idx), "--max-batch", str(self.max_batch),

@@ -36,7 +36,8 @@ to finish, and one that could never fit, even alone, fails with a 400 that
 says so.
 
 INVARIANT: a step spends at most ``prefill_step`` prompt tokens on prefill
-before its decode step, so the running rows get a token every step
+before its decode step (``decoding_prefill_step``, at most as many, when it
+starts with running rows), so the running rows get a token every step
 whatever is being admitted (chunked prefill mixed with decode, as vLLM's
 scheduler budgets tokens per step). Requests start in arrival order.
 Those at the head of the queue whose rest of ``prompt[:-1]`` (after their
@@ -168,10 +169,15 @@ class Engine:
         max_working_bytes: the most bytes of working K/V buffers (this
             process's own MLX arrays, whatever the pool shares) the batch may
             reach (None: no limit). See :meth:`working_need`.
+        decoding_prefill_step: the most prompt tokens computed in a step
+            that starts with running rows (rounded as ``prefill_step``; None:
+            ``prefill_step``). On a CPU a step's prefill costs about its
+            tokens' share of the compute, all of it a pause for the rows.
     """
 
     def __init__(self, mgr, model, eos_ids, emit, worker_id: int = 0, max_batch: int = 32,
-                 prefill_step: int = 512, max_working_bytes: Optional[int] = None) -> None:
+                 prefill_step: int = 512, max_working_bytes: Optional[int] = None,
+                 decoding_prefill_step: Optional[int] = None) -> None:
         self.mgr = mgr
         self.model = model
         self.eos = set(eos_ids)
@@ -180,6 +186,8 @@ class Engine:
         self.max_batch = max_batch
         self.bs = mgr.block_size
         self.prefill_step = max(self.bs, prefill_step // self.bs * self.bs)
+        d = prefill_step if decoding_prefill_step is None else decoding_prefill_step
+        self.decoding_prefill_step = min(self.prefill_step, max(self.bs, d // self.bs * self.bs))
         self.max_working_bytes = max_working_bytes
         lay = mgr.layout
         # one token's K and V in every layer, as the working buffers hold them
@@ -282,7 +290,7 @@ class Engine:
 
     # ------------------------------------------------------------ admission
     def _admit(self) -> None:
-        budget = self.prefill_step
+        budget = self.decoding_prefill_step if self.rows else self.prefill_step
         while budget > 0:
             if self.prefilling is None:
                 group, rest = self._start_next(budget)

@@ -61,6 +61,8 @@ def main(argv=None) -> int:
     ap.add_argument("--id", type=int, default=0)
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--prefill-step", type=int, default=512)
+    ap.add_argument("--decoding-prefill-step", type=int, default=None,
+                    help="the prefill tokens per step while rows run (default: --prefill-step)")
     ap.add_argument("--max-working-bytes", type=int, default=None,
                     help="the most bytes of working K/V buffers (Engine's max_working_bytes)")
     ap.add_argument("--l2", default=None, help="the L2's Redis URL")
@@ -109,7 +111,7 @@ def main(argv=None) -> int:
             writer.send(wire.Failed(*payload))
 
     engine = Engine(mgr, model, tokenizer.eos_token_ids, emit, args.id, args.max_batch,
-                    args.prefill_step, args.max_working_bytes)
+                    args.prefill_step, args.max_working_bytes, args.decoding_prefill_step)
     q: queue.Queue = queue.Queue()
     threading.Thread(target=_reader, args=(q,), daemon=True).start()
     writer.send(wire.Ready(args.id, os.getpid()))

@@ -205,6 +205,56 @@ def test_requests_admitted_together_share_one_prefill_forward(lm, pools):  # noq
 
 
 @pytest.mark.timeout(300)
+def test_handed_over_prefills_admitted_together_share_one_forward(lm, pools):  # noqa: F811
+    """Two handed-over prefills and a request of its own start in one step
+    beside a running request: ONE prefill forward of 3 rows, then the
+    decode step of the 2 that decode here; the handed-over ones are parked
+    (their whole prompt[:-1] in their tables) and join no batch, and another
+    engine adopting them computes nothing and gives mlx-lm's tokens."""
+    pool = pools(block_size=BS, max_blocks=512, **lm.layout)
+    ev, ev_b = Events(), Events()
+    model = Counting(lm.model)
+    eng = Engine(pool, model, [], ev, worker_id=0, prefill_step=8 * BS)
+    model_b = Counting(lm.model)
+    eng_b = Engine(pool, model_b, [], ev_b, worker_id=1, prefill_step=8 * BS)
+    rng = random.Random(17)
+    vocab = lm.model.args.vocab_size
+    shared = [rng.randrange(vocab) for _ in range(3 * BS)]
+    running = shared + [rng.randrange(vocab) for _ in range(5)]
+    eng.submit(gen(1, running, 30))
+    eng.step()
+    prompts = {2: shared + [rng.randrange(vocab) for _ in range(21)],     # 20 to compute
+               3: [rng.randrange(vocab) for _ in range(9)],               # cold: 8
+               4: shared + [rng.randrange(vocab) for _ in range(12)]}     # 11
+    want = {i: reference(lm.model, p, 8) for i, p in prompts.items()}
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    for i in (2, 3):
+        eng.submit(Gen(i, list(prompts[i]), params, i, handoff=True))
+    eng.submit(gen(4, prompts[4], 8))
+    model.shapes.clear()
+    eng.step()
+    assert model.shapes == [(3, 20), (2, 1)], model.shapes
+    assert sorted(h[0] for h in ev.handoff) == [2, 3] and 2 not in ev.admitted
+    for rid, table, stored, cached in ev.handoff:
+        assert stored == len(prompts[rid]) - 1
+        assert pool.get_block_table(table).num_tokens == stored
+    run(eng)
+    assert ev.failed == [] and ev.tokens[4] == want[4]
+    assert ev.tokens[1] == reference(lm.model, running, 30)
+    for rid, table, *_ in ev.handoff:
+        eng_b.submit(Gen(rid, list(prompts[rid]), params, rid, adopt=table))
+    model_b.shapes.clear()
+    run(eng_b)
+    assert ev_b.failed == [] and all(t == 1 for _, t in model_b.shapes), model_b.shapes
+    assert {i: ev_b.tokens[i] for i in (2, 3)} == {2: want[2], 3: want[3]}
+    for rid, *_ in list(ev.handoff):
+        eng.unpark(rid)
+    eng.close()
+    eng_b.close()
+    assert len(pool.request_tables) == 0
+
+
+@pytest.mark.timeout(300)
 def test_a_handed_over_prefill_is_decoded_by_another_engine_computing_nothing(lm, pools):  # noqa: F811
     """Engine A computes a prompt for a handoff and keeps its table; engine
     B (another worker, here in this process) adopts it beside a running

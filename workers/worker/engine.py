@@ -355,9 +355,10 @@ class Engine:
         """Start requests from the head of the queue while they may join the
         batch: those whose rest of ``prompt[:-1]`` (after the cache hit) fits
         one shared chunk within ``budget`` form a group (prefilled together,
-        :meth:`_prefill_group`); the first that does not (a longer prompt, n
-        > 1, an L2 lookup in flight) ends the group as ``rest``, to be
-        prefilled alone in chunks. Returns ``(group, rest)``."""
+        :meth:`_prefill_group`; handed-over prefills too, which are then
+        parked instead of joining the batch); the first that does not (a
+        longer prompt, n > 1, an L2 lookup in flight) ends the group as
+        ``rest``, to be prefilled alone in chunks. Returns ``(group, rest)``."""
         group: list = []
         width = computed = 0          # the group's chunk width, rows that compute
         while self.waiting:
@@ -377,7 +378,7 @@ class Engine:
             except Exception as e:
                 self._fail(req, e)
                 continue
-            if pf.pending is None and req.gen.params.n == 1 and not req.gen.handoff:
+            if pf.pending is None and req.gen.params.n == 1:
                 rest = len(req.gen.prompt) - 1 - pf.seq.stored
                 if rest == 0:
                     group.append(pf)     # all cached: nothing to compute
@@ -396,9 +397,10 @@ class Engine:
         pool at their start) merged into one ``PoolBatchKVCache`` (left
         padding), their chunks right-padded to the longest, as mlx-lm's
         ``BatchGenerator`` prefills. Every member reserves its chunk and its
-        first decode slot first, in order: out of blocks, that member and the
-        ones after it are released and go back to the head of the queue, in
-        order, and the others go on.
+        first decode slot first, in order (a handed-over one only its chunk:
+        its table is parked, :meth:`_park`, and another worker decodes it):
+        out of blocks, that member and the ones after it are released and go
+        back to the head of the queue, in order, and the others go on.
 
         Returns ``(tokens spent, cut)``: the prompt tokens computed (rows x
         the chunk width, padding included) and how many requests went back
@@ -407,7 +409,7 @@ class Engine:
         cut = 0
         for i, pf in enumerate(group):
             try:
-                pf.seq.reserve(len(pf.req.gen.prompt) - pf.seq.stored)
+                pf.seq.reserve(len(pf.req.gen.prompt) - pf.seq.stored - pf.req.gen.handoff)
             except OutOfBlocksError:
                 cut = len(group) - i
                 self._requeue(group[i:])
@@ -425,10 +427,7 @@ class Engine:
                     pf.release()
                     self._fail(pf.req, e)
                     continue
-                try:
-                    self._to_rows(pf)        # (its slots are reserved: no OutOfBlocksError)
-                except Exception as e:
-                    self._fail(pf.req, e)
+                self._admit_computed(pf)
             return used, cut
         rests = [len(pf.req.gen.prompt) - 1 - pf.seq.stored for pf in fresh]
         width = max(rests)
@@ -454,22 +453,37 @@ class Engine:
                 self._fail(pf.req, e)
             fresh = []
         for pf in group:
-            if id(pf) in computes:
+            if id(pf) not in computes:
+                self._admit_computed(pf)     # all cached
+        rows, keep = [], []
+        for i, pf in enumerate(fresh):
+            g = pf.req.gen
+            if g.handoff:
+                self._park(pf)
                 continue
-            try:
-                self._to_rows(pf)        # all cached (its first slot is reserved)
-            except Exception as e:
-                self._fail(pf.req, e)
-        if fresh:
-            rows = []
-            for pf in fresh:
-                g = pf.req.gen
-                self.emit("admitted", (g.id, len(g.prompt), pf.cached))
-                r = _Row(pf.req, 0, pf.seq, sampler=RowSampler(g.params, g.seed, 0))
-                pf.req.rows = [r]
-                rows.append(r)
+            self.emit("admitted", (g.id, len(g.prompt), pf.cached))
+            r = _Row(pf.req, 0, pf.seq, sampler=RowSampler(g.params, g.seed, 0))
+            pf.req.rows = [r]
+            rows.append(r)
+            keep.append(i)
+        if rows:
+            if len(keep) < len(fresh):   # (the parked ones' working buffers go)
+                for c in batch:
+                    c.filter(mx.array(keep))
             self._extend_batch(rows, batch)
         return len(fresh) * width, cut
+
+    def _admit_computed(self, pf: _Prefill) -> None:
+        """``pf``'s ``prompt[:-1]`` is stored: its rows join the batch
+        (:meth:`_to_rows`; its slots are reserved: no OutOfBlocksError), or
+        a handed-over one is parked (:meth:`_park`)."""
+        if pf.req.gen.handoff:
+            self._park(pf)
+            return
+        try:
+            self._to_rows(pf)
+        except Exception as e:
+            self._fail(pf.req, e)
 
     def _requeue(self, pfs: list) -> None:
         """Release started prefills and put them back at the head of the queue, in order."""

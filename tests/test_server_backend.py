@@ -283,7 +283,10 @@ def test_a_worker_gets_its_lent_cores_back_before_it_computes(model_dir, referen
         pytest.skip(f"{cpus} CPU: nothing to lend")
     monkeypatch.setenv("SHMCACHE_STEP_TIMING", str(tmp_path))
     share = cpus // 2
-    with serving(model_dir, "--workers", 2, "--max-blocks", 512, "--lend-cores") as srv:
+    # chunks of 128 tokens: each step of A is far shorter than the wait's
+    # limit (RECLAIM_WAIT_S), so B is sent only after A's report
+    with serving(model_dir, "--workers", 2, "--max-blocks", 512, "--lend-cores",
+                 "--prefill-step", 128) as srv:
         client = srv.client()
         long_prompt = printable(random.Random(8), 2000)
         short_prompt = printable(random.Random(9), 40)
@@ -312,6 +315,8 @@ def test_a_worker_gets_its_lent_cores_back_before_it_computes(model_dir, referen
     assert lent, "A never ran more than its share"
     tol = 0.0015                         # the log's clock: milliseconds
     b_work = [(s, e) for s, e, _, c in b_steps if c]
+    # A was still computing when B started (else nothing was reclaimed)
+    assert any(e > b_work[0][0] for s, e, t, c in a_steps if c), (a_steps, b_work[0])
     overlaps = [(bs, be, s, e) for bs, be in b_work for s, e in lent
                 if s < be - tol and bs < e - tol]
     assert not overlaps, overlaps
@@ -332,13 +337,15 @@ def test_decoding_prefill_step_reaches_the_workers_and_keeps_the_answers(model_d
         client = srv.client()
         first, second = printable(random.Random(3), 20), printable(random.Random(4), 300)
         parts, answer = [], None
-        for chunk in client.completions.create(model=MODEL_NAME, prompt=first, max_tokens=200,
+        # (a long reply: the row still runs when the second prompt arrives,
+        # however slow this client is)
+        for chunk in client.completions.create(model=MODEL_NAME, prompt=first, max_tokens=1000,
                                                temperature=0, stream=True):
             parts.extend(c.text for c in chunk.choices)
             if len(parts) == 5:
                 answer = got(client.completions.create(model=MODEL_NAME, prompt=second,
                                                        max_tokens=8, temperature=0))
-        assert "".join(parts) == reference.greedy(first, 200).text
+        assert "".join(parts) == reference.greedy(first, 1000).text
         assert answer == reference.greedy(second, 8)
     lines = open(tmp_path / f"engine-{proc.pid}.log").read().splitlines()
     chunked = [ln for ln in lines if "_forward_chunk=" in ln and not ln.split("rows=")[1]

@@ -138,6 +138,7 @@ class WorkerBackend:
         self.handoff_tokens = handoff_tokens if workers > 1 else 0
         self.pack_rows = pack_rows
         self._tasks: set = set()           # decode dispatches after a handoff, running
+        self._reclaims: dict = {}          # worker index -> its wait for its lent cores
         self.handoffs = 0                  # prefills handed over (a counter)
         # lend idle workers' cores to busy ones (asked for, and the operator
         # did not choose the threads)
@@ -175,7 +176,7 @@ class WorkerBackend:
         await self.procs.start()
 
     async def close(self) -> None:
-        for task in list(self._tasks):
+        for task in list(self._tasks) + list(self._reclaims.values()):
             task.cancel()
         await self.procs.close()
 
@@ -369,7 +370,18 @@ class WorkerBackend:
             w.send(wire.Threads(n))
         except (OSError, RuntimeError, AttributeError):   # dying: the heartbeat acts
             return
+        if n < w.blas_threads:
+            # until it reports the smaller count, it may run what it was told
+            # before (applied, and its report not read yet)
+            w.blas_threads_running = max(w.blas_threads_running, w.blas_threads)
         w.blas_threads = n
+
+    def _lent_out(self, w: WorkerProc) -> bool:
+        """Whether a busy worker other than ``w`` may still run more threads
+        than it was told (``core_shares`` keeps the told counts within the
+        CPUs)."""
+        return any(o.blas_threads_running > o.blas_threads for o in self.procs.live()
+                   if o.flights and o is not w)
 
     async def _cores_back(self, w: WorkerProc) -> None:
         """``w`` was idle and gets a request: wait until the workers that
@@ -377,7 +389,7 @@ class WorkerBackend:
         ``RECLAIM_WAIT_S``: a worker in a long prefill chunk reports late,
         and then the two share the cores for the rest of that chunk)."""
         deadline = asyncio.get_running_loop().time() + RECLAIM_WAIT_S
-        while self._cores_in_use(but=w) + w.blas_threads > self.procs.cpus:
+        while self._lent_out(w):
             left = deadline - asyncio.get_running_loop().time()
             if left <= 0:
                 return
@@ -424,11 +436,27 @@ class WorkerBackend:
         was_idle = not w.flights
         w.flights[f.gen.id] = f
         self._lend_cores()              # before the request: its prefill runs with them
-        if self.lend_cores and was_idle:
-            await self._cores_back(w)
+        reclaim = self._reclaims.get(w.idx)
+        if self.lend_cores and (was_idle or reclaim is not None):
+            # one wait per worker: a request that comes to it meanwhile waits
+            # for the same one, and is sent after this one (in order)
+            if reclaim is None:
+                reclaim = self._reclaims[w.idx] = asyncio.ensure_future(self._cores_back(w))
+                reclaim.add_done_callback(functools.partial(self._reclaimed, w.idx))
+            try:
+                await asyncio.shield(reclaim)
+            except BaseException:        # cancelled (the client left): never sent
+                if w.flights.get(f.gen.id) is f:
+                    del w.flights[f.gen.id]
+                    self._moved()
+                raise
             if f.gone or self.procs.closing or w.flights.get(f.gen.id) is not f:
                 return                   # (the client left, or the worker died, meanwhile)
         w.send(gen)
+
+    def _reclaimed(self, idx: int, task: "asyncio.Future[None]") -> None:
+        if self._reclaims.get(idx) is task:
+            del self._reclaims[idx]
 
     # ---------------------------------------------------------- interface
     def admission_error(self, prompt_tokens: int, max_tokens: int, n: int) -> Optional[str]:

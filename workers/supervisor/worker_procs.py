@@ -175,8 +175,9 @@ def core_shares(workers: list, cpus: int, base: int) -> dict:
     1.36-1.38 s on 2; 16 cores, `realistic:6`, the serving benchmark's step
     logs).
 
-    INVARIANT: the sum over busy workers is at most ``cpus`` once every
-    worker runs what it was told. The supervisor keeps it while the told
+    INVARIANT: the sum over busy workers is at most ``cpus`` (or ``base``
+    each, where the workers outnumber the CPUs) once every worker runs what
+    it was told. The supervisor keeps it while the told
     counts change (``WorkerBackend._lend_cores``): a smaller share is sent
     at once, a larger one only when the cores it takes are free, and a
     request for an idle worker waits (briefly) until the workers that

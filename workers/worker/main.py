@@ -42,11 +42,15 @@ def _reader(q: queue.Queue) -> None:
 HEARTBEAT_S = 0.5
 
 
-def _heartbeat(writer, last: list, stop: threading.Event) -> None:
+def _heartbeat(writer, last: list, stop: threading.Event, lock: threading.Lock) -> None:
     """Resends ``last[0]`` (the latest Load) when nothing was sent for
-    HEARTBEAT_S; ``last[1]`` is when the main loop last sent one."""
+    HEARTBEAT_S; ``last[1]`` is when the main loop last sent one. Under
+    ``lock``, which the main loop holds while it builds and sends a new one:
+    a resend never follows a newer report (its thread count would undo it)."""
     while not stop.wait(HEARTBEAT_S / 2):
-        if time.monotonic() - last[1] >= HEARTBEAT_S:
+        with lock:
+            if time.monotonic() - last[1] < HEARTBEAT_S:
+                continue
             try:
                 writer.send(last[0])
             except OSError:                # the supervisor is gone
@@ -118,19 +122,21 @@ def main(argv=None) -> int:
     last_load = 0.0
     beat = [wire.Load(args.id, 0, 0, 0, 0, {}), time.monotonic()]
     beat_stop = threading.Event()
+    beat_lock = threading.Lock()
 
     def report() -> None:
         """Send this worker's counters (``Load``) now."""
         nonlocal last_load
-        last_load = time.monotonic()
-        beat[0] = wire.Load(args.id, len(engine.rows), len(engine.waiting),
-                            engine.preemptions, engine.working_bytes(),
-                            mgr.l2.stats() if mgr.l2 is not None else {},
-                            shmcache.system.blas.threads() or 0)
-        writer.send(beat[0])
-        beat[1] = last_load
+        with beat_lock:
+            last_load = time.monotonic()
+            beat[0] = wire.Load(args.id, len(engine.rows), len(engine.waiting),
+                                engine.preemptions, engine.working_bytes(),
+                                mgr.l2.stats() if mgr.l2 is not None else {},
+                                shmcache.system.blas.threads() or 0)
+            writer.send(beat[0])
+            beat[1] = last_load
 
-    threading.Thread(target=_heartbeat, args=(writer, beat, beat_stop), daemon=True).start()
+    threading.Thread(target=_heartbeat, args=(writer, beat, beat_stop, beat_lock), daemon=True).start()
     try:
         while True:
             try:

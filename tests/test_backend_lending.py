@@ -1,0 +1,142 @@
+"""--lend-cores' reclaim wait in the supervisor's routing
+(``WorkerBackend._dispatch``), step by step, over fakes.
+
+IN THIS FILE ONLY, ``FakeProcs`` stands in for ``WorkerProcesses`` and
+``FakeWorker`` for a worker process (``send`` records the messages instead
+of writing to a pipe; nothing reports but the test). The real workers are
+in ``tests/test_server_backend.py``'s lending tests.
+
+Checked: a request for an idle worker is sent only once the worker that
+borrowed its cores reports its smaller share; a client that leaves during
+that wait leaves nothing registered; a second request for the same worker
+waits for the same reclaim and is sent after the first; where the workers
+outnumber the CPUs (nothing to lend) nothing waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+
+import pytest
+
+from workers import wire
+from workers.protocol import SamplingParams
+from workers.supervisor import backend as backend_mod
+from workers.supervisor.worker_procs import Flight, WorkerProc
+
+
+class FakeProcs:
+    closing = False
+
+    def __init__(self, workers, cpus):
+        self.workers, self.cpus, self.blas_share = workers, cpus, max(1, cpus // len(workers))
+
+    def live(self):
+        return self.workers
+
+
+class FakeWorker(WorkerProc):
+    def __init__(self, idx, threads):
+        super().__init__(idx)
+        self.sent: list = []
+        self.blas_threads = self.blas_threads_running = threads
+        self.ready.set()
+
+    def send(self, msg):
+        self.sent.append(msg)
+
+    def running(self):
+        return True
+
+
+def make_backend(workers, cpus):
+    be = object.__new__(backend_mod.WorkerBackend)
+    be.procs = FakeProcs(workers, cpus)
+    be.lend_cores, be.handoff_tokens, be.block_size, be.prefill_step = True, 0, 16, 512
+    be._changed, be._tasks, be._reclaims = asyncio.Event(), set(), {}
+    be._ids = itertools.count(100)
+    return be
+
+
+def flight(rid, first=0):
+    return Flight(rid, list(range(first, first + 40)), SamplingParams(max_tokens=8), 0)
+
+
+def decoding(w, rid):
+    f = flight(rid, 1000 + rid * 50)
+    f.started = True
+    w.flights[rid] = f
+
+
+def report(be, w, threads):
+    """The worker's Load: it runs ``threads`` now."""
+    be._on(w, wire.Load(w.idx, 1, 0, 0, 0, {}, threads))
+
+
+def gens(w):
+    return [m.id for m in w.sent if isinstance(m, wire.Gen)]
+
+
+@pytest.mark.timeout(30)
+def test_a_request_for_an_idle_worker_waits_for_its_lent_cores():
+    async def main():
+        a, b = FakeWorker(0, 2), FakeWorker(1, 1)      # a decodes on b's core too
+        be = make_backend([a, b], cpus=2)
+        decoding(a, 1)
+        task = asyncio.ensure_future(be._dispatch(flight(10)))
+        await asyncio.sleep(0.05)
+        assert [m.n for m in a.sent if isinstance(m, wire.Threads)] == [1]   # told at once
+        assert gens(b) == []                       # a has not said it runs 1
+        report(be, a, 1)
+        await asyncio.wait_for(task, 1)
+        assert gens(b) == [10]
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(30)
+def test_a_client_leaving_during_the_wait_leaves_nothing_registered():
+    async def main():
+        a, b = FakeWorker(0, 2), FakeWorker(1, 1)
+        be = make_backend([a, b], cpus=2)
+        decoding(a, 1)
+        task = asyncio.ensure_future(be._dispatch(flight(10)))
+        await asyncio.sleep(0.05)
+        assert 10 in b.flights
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert 10 not in b.flights and gens(b) == []
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(30)
+def test_a_second_request_for_the_same_worker_is_sent_after_the_first():
+    async def main():
+        a, b = FakeWorker(0, 2), FakeWorker(1, 1)
+        be = make_backend([a, b], cpus=2)
+        decoding(a, 1)
+        decoding(a, 2)                             # b stays the least loaded
+        first = asyncio.ensure_future(be._dispatch(flight(10, 100)))
+        await asyncio.sleep(0.02)
+        second = asyncio.ensure_future(be._dispatch(flight(11, 200)))
+        await asyncio.sleep(0.02)
+        assert gens(b) == []                       # neither before a gives the core back
+        report(be, a, 1)
+        await asyncio.wait_for(asyncio.gather(first, second), 1)
+        assert gens(b) == [10, 11]
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(30)
+def test_with_more_workers_than_cpus_nothing_waits():
+    async def main():
+        ws = [FakeWorker(i, 1) for i in range(3)]
+        be = make_backend(ws, cpus=2)
+        decoding(ws[0], 1)
+        decoding(ws[1], 2)
+        t = time.monotonic()
+        await be._dispatch(flight(10))
+        assert gens(ws[2]) == [10] and time.monotonic() - t < backend_mod.RECLAIM_WAIT_S / 2
+    asyncio.run(main())

@@ -17,7 +17,8 @@
 #
 # Environment: VENV (default /tmp/shmcache-bench-venv), WORKERS (8), ROUNDS (2),
 # STEP_LOGS=1: every worker's step log (SHMCACHE_STEP_TIMING) packed into one
-# $OUT/steps-WORKLOAD.tar.gz (the device returns only a few files a call).
+# $OUT/steps-WORKLOAD.tar.gz (the device returns only a few files a call); read
+# them with python -m tools.bench.step_logs DIR (steps by rows and BLAS threads).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"

@@ -60,6 +60,14 @@ def make_backend(workers, cpus):
     return be
 
 
+def lent_pair():
+    """2 CPUs, 2 workers: a decodes a request on both (b's core lent), b is idle."""
+    a, b = FakeWorker(0, 2), FakeWorker(1, 1)
+    be = make_backend([a, b], cpus=2)
+    decoding(a, 1)
+    return a, b, be
+
+
 def flight(rid, first=0):
     return Flight(rid, list(range(first, first + 40)), SamplingParams(max_tokens=8), 0)
 
@@ -82,9 +90,7 @@ def gens(w):
 @pytest.mark.timeout(30)
 def test_a_request_for_an_idle_worker_waits_for_its_lent_cores():
     async def main():
-        a, b = FakeWorker(0, 2), FakeWorker(1, 1)      # a decodes on b's core too
-        be = make_backend([a, b], cpus=2)
-        decoding(a, 1)
+        a, b, be = lent_pair()
         task = asyncio.ensure_future(be._dispatch(flight(10)))
         await asyncio.sleep(0.05)
         assert [m.n for m in a.sent if isinstance(m, wire.Threads)] == [1]   # told at once
@@ -98,9 +104,7 @@ def test_a_request_for_an_idle_worker_waits_for_its_lent_cores():
 @pytest.mark.timeout(30)
 def test_a_client_leaving_during_the_wait_leaves_nothing_registered():
     async def main():
-        a, b = FakeWorker(0, 2), FakeWorker(1, 1)
-        be = make_backend([a, b], cpus=2)
-        decoding(a, 1)
+        a, b, be = lent_pair()
         task = asyncio.ensure_future(be._dispatch(flight(10)))
         await asyncio.sleep(0.05)
         assert 10 in b.flights
@@ -114,9 +118,7 @@ def test_a_client_leaving_during_the_wait_leaves_nothing_registered():
 @pytest.mark.timeout(30)
 def test_a_second_request_for_the_same_worker_is_sent_after_the_first():
     async def main():
-        a, b = FakeWorker(0, 2), FakeWorker(1, 1)
-        be = make_backend([a, b], cpus=2)
-        decoding(a, 1)
+        a, b, be = lent_pair()
         decoding(a, 2)                             # b stays the least loaded
         first = asyncio.ensure_future(be._dispatch(flight(10, 100)))
         await asyncio.sleep(0.02)

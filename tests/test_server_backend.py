@@ -20,6 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from tools.bench import step_logs
+
 from _serve_proc import BS, MODEL_NAME, STARTUP_S, _is_running, got, printable, serving
 from _serve_proc import model_dir, reference  # pytest fixtures
 
@@ -260,21 +262,17 @@ def test_idle_workers_lend_their_cores_to_the_busy_one(model_dir, reference):
 
 
 def _steps(path) -> list:
-    """(start, end, threads, computes) of each step in an engine step log."""
-    out = []
-    for line in open(path):
-        m = re.match(r"(\S+) total=(\S+) .* threads=(\d+)", line)
-        end, ms, threads = float(m.group(1)), float(m.group(2)), int(m.group(3))
-        computes = any(k in line for k in ("_decode=", "_forward_chunk=", "_prefill_group="))
-        out.append((end - ms / 1000, end, threads, computes))
-    return out
+    """(start, end, threads, computes) of each step in an engine step log
+    (read by ``tools.bench.step_logs``)."""
+    return [(st["end"] - st["ms"] / 1000, st["end"], st["threads"], st["kind"] != "idle")
+            for st in step_logs.parse(path)]
 
 
 @pytest.mark.timeout(300)
 def test_a_worker_gets_its_lent_cores_back_before_it_computes(model_dir, reference, tmp_path,
                                                               monkeypatch):
     """--lend-cores: worker A prefills a long prompt on all the CPUs (chunks
-    of 512 tokens, one a step); meanwhile a second request goes to idle
+    of 128 tokens, one a step); meanwhile a second request goes to idle
     worker B. B's request is sent only once A has given back B's cores: from
     the workers' own step logs, no step of B that computes overlaps a step
     A ran with more than its share. Both answers are the reference's."""
@@ -347,10 +345,9 @@ def test_decoding_prefill_step_reaches_the_workers_and_keeps_the_answers(model_d
                                                        max_tokens=8, temperature=0))
         assert "".join(parts) == reference.greedy(first, 1000).text
         assert answer == reference.greedy(second, 8)
-    lines = open(tmp_path / f"engine-{proc.pid}.log").read().splitlines()
-    chunked = [ln for ln in lines if "_forward_chunk=" in ln and not ln.split("rows=")[1]
-               .startswith("0->")]
-    assert len(chunked) >= 300 // BS - 1, lines      # one block a step while the reply runs
+    steps = step_logs.parse(str(tmp_path / f"engine-{proc.pid}.log"))
+    chunked = [st for st in steps if st["kind"] == "prefill" and st["rows"] > 0]
+    assert len(chunked) >= 300 // BS - 1, steps      # one block a step while the reply runs
 
 
 @pytest.mark.timeout(120)

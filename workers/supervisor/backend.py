@@ -359,7 +359,7 @@ class WorkerBackend:
             if self._cores_in_use(but=w) + shares[w.idx] <= self.procs.cpus:
                 self._tell_threads(w, shares[w.idx])
 
-    def _cores_in_use(self, but: Optional[WorkerProc] = None) -> int:
+    def _cores_in_use(self, but: WorkerProc) -> int:
         """BLAS threads the busy workers (but ``but``) may be running now."""
         return sum(max(w.blas_threads, w.blas_threads_running) for w in self.procs.live()
                    if w.flights and w is not but)

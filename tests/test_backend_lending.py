@@ -1,5 +1,7 @@
 """--lend-cores' reclaim wait in the supervisor's routing
-(``WorkerBackend._dispatch``), step by step, over fakes.
+(``WorkerBackend._dispatch``), step by step, over fakes; and the wait for a
+shared prefix that another worker computes, which those reclaim waits once
+stretched into a queue.
 
 IN THIS FILE ONLY, ``FakeProcs`` stands in for ``WorkerProcesses`` and
 ``FakeWorker`` for a worker process (``send`` records the messages instead
@@ -10,7 +12,10 @@ Checked: a request for an idle worker is sent only once the worker that
 borrowed its cores reports its smaller share; a client that leaves during
 that wait leaves nothing registered; a second request for the same worker
 waits for the same reclaim and is sent after the first; where the workers
-outnumber the CPUs (nothing to lend) nothing waits.
+outnumber the CPUs (nothing to lend) nothing waits; a request sent to a
+worker that has not taken it yet (busy in a step, or waiting for its lent
+cores) holds back no other request whose shared prefix the pool already
+holds (``FakePool`` stands in for the pool's prefix probe).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from workers.supervisor.worker_procs import Flight, WorkerProc
 
 class FakeProcs:
     closing = False
+    mgr = None                     # no pool: nothing is cached
 
     def __init__(self, workers, cpus):
         self.workers, self.cpus, self.blas_share = workers, cpus, max(1, cpus // len(workers))
@@ -141,4 +147,67 @@ def test_with_more_workers_than_cpus_nothing_waits():
         t = time.monotonic()
         await be._dispatch(flight(10))
         assert gens(ws[2]) == [10] and time.monotonic() - t < backend_mod.RECLAIM_WAIT_S / 2
+    asyncio.run(main())
+
+
+class FakePool:
+    """Stands in for the pool's prefix probe (``cached_prefix_tokens``): it
+    holds the whole blocks of ``prefix``."""
+
+    def __init__(self, prefix, block_size=16):
+        self.prefix, self.bs = list(prefix), block_size
+
+    def cached_prefix_tokens(self, tokens, extra=None):
+        n = 0
+        while n + self.bs <= min(len(tokens), len(self.prefix)) and \
+                tokens[n:n + self.bs] == self.prefix[n:n + self.bs]:
+            n += self.bs
+        return n
+
+
+SHARED = list(range(500, 532))                     # two blocks every prompt starts with
+
+
+def chat_flight(rid):
+    return Flight(rid, SHARED + list(range(rid * 100, rid * 100 + 8)),
+                  SamplingParams(max_tokens=8), 0)
+
+
+@pytest.mark.timeout(30)
+def test_a_request_not_taken_yet_holds_back_no_request_whose_shared_prefix_is_cached():
+    """Two requests share their first blocks, which the pool already holds.
+    The first goes to a worker that has not taken it yet (busy in a step:
+    it reports nothing). The second goes to another worker at once: it
+    waits only for blocks some worker will compute, and none will."""
+    async def main():
+        ws = [FakeWorker(i, 1) for i in range(3)]
+        be = make_backend(ws, cpus=3)
+        be.lend_cores = False
+        be.procs.mgr = FakePool(SHARED)
+        decoding(ws[0], 1)
+        await asyncio.wait_for(be._dispatch(chat_flight(10)), 1)
+        assert gens(ws[1]) == [10]                 # ws[1] says nothing back
+        await asyncio.wait_for(be._dispatch(chat_flight(11)), 1)
+        assert gens(ws[2]) == [11]
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(30)
+def test_requests_waiting_for_lent_cores_hold_back_no_request_whose_prefix_is_cached():
+    """The stagger --lend-cores showed on 16 cores: requests for idle
+    workers wait for their lent cores; one whose shared prefix is cached
+    must not also wait for the first of them to be sent."""
+    async def main():
+        ws = [FakeWorker(0, 2), FakeWorker(1, 1), FakeWorker(2, 1)]
+        be = make_backend(ws, cpus=4)
+        be.procs.mgr = FakePool(SHARED)
+        decoding(ws[0], 1)                         # ws[0] runs 2 of the 4 cores' threads
+        first = asyncio.ensure_future(be._dispatch(chat_flight(10)))
+        await asyncio.sleep(0.05)
+        second = asyncio.ensure_future(be._dispatch(chat_flight(11)))
+        await asyncio.sleep(0.05)
+        assert 11 in ws[2].flights                 # routed, now waiting for cores as well
+        report(be, ws[0], 1)
+        await asyncio.wait_for(asyncio.gather(first, second), 1)
+        assert gens(ws[1]) == [10] and gens(ws[2]) == [11]
     asyncio.run(main())

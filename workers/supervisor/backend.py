@@ -258,15 +258,22 @@ class WorkerBackend:
         live = self.procs.live()
         return sum(len(w.flights) for w in live) >= len(live)
 
-    def _todo(self, f: Flight) -> int:
-        """Tokens of ``f``'s ``prompt[:-1]`` not in the pool now (a probe:
-        no reference, not counted as a lookup)."""
+    def _in_pool(self, f: Flight) -> int:
+        """Tokens of ``f``'s ``prompt[:-1]`` the pool holds now, whole
+        blocks (a probe: no reference, not counted as a lookup; 0 without
+        a pool)."""
         m = self.procs.mgr
-        todo = len(f.gen.prompt) - 1
-        if todo < self.handoff_tokens or m is None:
-            return todo
+        if m is None:
+            return 0
         salt = f.gen.params.salt
-        return todo - m.cached_prefix_tokens(f.gen.prompt[:-1], (salt,) if salt else None)
+        return m.cached_prefix_tokens(f.gen.prompt[:-1], (salt,) if salt else None)
+
+    def _todo(self, f: Flight) -> int:
+        """Tokens of ``f``'s ``prompt[:-1]`` not in the pool now."""
+        todo = len(f.gen.prompt) - 1
+        if todo < self.handoff_tokens:
+            return todo
+        return todo - self._in_pool(f)
 
     def _wants_handoff(self, f: Flight) -> bool:
         """Whether ``f``'s prefill should run on another worker than its
@@ -426,7 +433,12 @@ class WorkerBackend:
         f.worker = w
         f.seen = [0] * len(f.seen)
         f.prefill_only = handoff
-        f.progress = 0
+        # what the worker will report once it takes the request (its cached
+        # prefix): until then, a request sent to a worker busy in a long
+        # step (or waiting for its lent cores) is not taken for one that
+        # computes the prompt's first blocks, which would hold back every
+        # request sharing them (``_shared_blocks_pending``) for that step
+        f.progress = self._in_pool(f)
         gen = f.gen
         if handoff:
             gen = msgspec.structs.replace(gen, handoff=True)

@@ -24,8 +24,8 @@ def test_decode_scaling_prints_a_line_per_config():
             ("1x1x1", "2x1x2")]
     assert [c[0].strip() for c in rows] == ["1x1x1", "2x1x2"], r.stdout
     for c in rows:
-        step, decode, prefill = (float(x) for x in c[1:])
-        assert step > 0 and decode > 0 and prefill > 0
+        step, decode, prefill, blas_pct = (float(x) for x in c[1:])
+        assert step > 0 and decode > 0 and prefill > 0 and blas_pct > 0
     # one process of one row: its decode tokens/s is one token per step
     step, decode = float(rows[0][1]), float(rows[0][2])
     assert abs(decode * step / 1000 - 1) < 0.02, rows[0]

@@ -7,14 +7,20 @@ Each config ``PxTxB`` starts P processes at once, each with T BLAS threads
 (``SHMCACHE_BLAS_THREADS``), each holding B rows of --context random tokens
 in mlx-lm's ``BatchKVCache``. When all are ready they decode --steps
 greedy steps together; then each prefills --prefill new tokens for one row,
-three times. It prints, per config, the median decode step, the machine's
-decode tokens per second (the sum over processes of B / step) and its
-prefill tokens per second.
+three times, and then times the same prefill's matrix products alone (every
+float ``Linear`` of the layers, on --prefill random rows). It prints, per
+config, the median decode step, the machine's decode tokens per second (the
+sum over processes of B / step), its prefill tokens per second, and the share
+of a prefill that those products (the BLAS) take.
 
 It answers what the serving benchmark cannot separate: is a CPU decode
 step bound by the memory bus of the whole machine (then fewer, fuller
 batches produce more tokens per second, even with cores idle), or by each
-process's cores (then spreading rows over every core is best)?
+process's cores (then spreading rows over every core is best)? And does a
+prefill gain from BLAS threads? Only its matrix products run on them; MLX's
+other CPU operations (attention's softmax, the activations, the norms) run
+on one thread, so where the BLAS share is small, more threads cannot help
+and only more processes can.
 """
 
 from __future__ import annotations
@@ -61,8 +67,27 @@ def child(model_dir: str, rows: int, context: int, steps: int, prefill: int) -> 
         model(p, cache=cache)
         mx.eval([a for c in cache for a in (c.keys, c.values)])
         pre_s.append(time.perf_counter() - t)
-    print(json.dumps({"step": statistics.median(step_s[2:]), "prefill": statistics.median(pre_s)}),
-          flush=True)
+    print(json.dumps({"step": statistics.median(step_s[2:]), "prefill": statistics.median(pre_s),
+                      "prefill_blas": _products_s(model, prefill)}), flush=True)
+
+
+def _products_s(model, tokens: int) -> float:
+    """Seconds of a ``tokens``-row prefill's matrix products alone: every
+    float ``Linear`` weight of the layers times ``tokens`` random rows,
+    evaluated together (median of 3; quantized layers are left out)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    weights = [m.weight for layer in model.layers for _, m in layer.named_modules()
+               if type(m) is nn.Linear]
+    xs = {w.shape[1]: mx.random.normal((tokens, w.shape[1])) for w in weights}   # (T, in)
+    mx.eval(list(xs.values()))
+    out = []
+    for _ in range(3):
+        t = time.perf_counter()
+        mx.eval([xs[w.shape[1]] @ w.T for w in weights])
+        out.append(time.perf_counter() - t)
+    return statistics.median(out)
 
 
 def run_config(model_dir: str, procs: int, threads: int, rows: int, args) -> dict:
@@ -88,7 +113,9 @@ def run_config(model_dir: str, procs: int, threads: int, rows: int, args) -> dic
     step = statistics.median(r["step"] for r in res)
     return {"config": f"{procs}x{threads}x{rows}", "step_ms": step * 1000,
             "decode_tok_s": sum(rows / r["step"] for r in res),
-            "prefill_tok_s": sum(args.prefill / r["prefill"] for r in res)}
+            "prefill_tok_s": sum(args.prefill / r["prefill"] for r in res),
+            "prefill_blas_pct": 100 * statistics.median(r["prefill_blas"] / r["prefill"]
+                                                        for r in res)}
 
 
 def main(argv=None) -> int:
@@ -122,12 +149,13 @@ def main(argv=None) -> int:
     model_dir, label = resolve(args.model)
     print(f"model {label}; {os.cpu_count()} cores; context {args.context}, "
           f"{args.steps} steps, prefill {args.prefill}", flush=True)
-    print("config (PxTxB) | step ms | decode tok/s | prefill tok/s", flush=True)
+    print("config (PxTxB) | step ms | decode tok/s | prefill tok/s | prefill in BLAS %",
+          flush=True)
     for r in range(args.rounds):
         for procs, threads, rows in configs:
             out = run_config(model_dir, procs, threads, rows, args)
             print(f"{out['config']:>14} | {out['step_ms']:7.1f} | {out['decode_tok_s']:12.1f} | "
-                  f"{out['prefill_tok_s']:13.1f}", flush=True)
+                  f"{out['prefill_tok_s']:13.1f} | {out['prefill_blas_pct']:17.0f}", flush=True)
     return 0
 
 

@@ -70,3 +70,26 @@ def test_a_missing_folder_is_one_line_and_exit_2(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=50)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.strip().count("\n") == 0 and "not a folder" in r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_the_timeline_runs_decode_steps_together_and_lists_prefills(tmp_path, monkeypatch):
+    import shmcache.system.blas as blas
+    t = blas.threads() or 0
+    write_log(tmp_path, monkeypatch, [
+        (0, ["_admit", "_prefill_chunk", "_forward_chunk"]),
+        (1, ["_admit", "_decode", "_sample"]),
+        (1, ["_admit", "_decode", "_sample"]),
+        (1, ["_admit", "_prefill_group", "_decode"]),
+        (2, ["_admit", "_decode", "_sample"]),
+        (0, ["_admit"]),                                   # idle: not shown
+    ])
+    (events,) = step_logs.timeline(str(tmp_path)).values()
+    kinds = [e[0] for e in events]
+    assert kinds == ["P", "D", "P", "D"], events
+    assert events[0].startswith("P0.00+") and events[0].endswith(f"[0>0]t{t}")
+    assert events[1].endswith(f"r1x2t{t}") and events[3].endswith(f"r2x1t{t}"), events
+    out = subprocess.run([sys.executable, "-m", "tools.bench.step_logs", "--timeline",
+                          str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=50)
+    assert out.returncode == 0, out.stderr
+    assert " ".join(events) in out.stdout

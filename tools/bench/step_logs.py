@@ -1,6 +1,6 @@
 """What the workers' step logs say: steps grouped by rows and BLAS threads.
 
-    python -m tools.bench.step_logs DIR [DIR ...]
+    python -m tools.bench.step_logs [--timeline] DIR [DIR ...]
 
 Each DIR holds the ``engine-PID.log`` files of one server run, as
 ``SHMCACHE_STEP_TIMING=DIR`` writes them (``workers/worker/step_timing.py``;
@@ -17,6 +17,14 @@ busy time, then the median and p90 of:
 It answers the questions decisions 0015 and 0019 needed answered: does a
 lent thread speed a decode step up, how often is a decoding worker's row
 held back by a prefill, how full are the batches.
+
+``--timeline`` prints, instead, each worker's steps in time order on one
+line (seconds from the first busy step of the folder): a prefill step as
+``P<start>+<seconds>[rows before>after]t<threads>``, and a run of decode
+steps with the same rows and threads, each starting within 0.15 s of the
+last one's end, as ``D<start>-<end>r<rows>x<steps>t<threads>``. It shows
+what the grouping hides: which worker waited, and for what (decision 0015's
+amendment of 2026-12-06 read the turn-1 stagger from it).
 """
 
 from __future__ import annotations
@@ -68,6 +76,38 @@ def summarize(run_dir: str) -> dict:
             "prefill_with_rows": held, "groups": dict(groups)}
 
 
+def timeline(run_dir: str, gap_s: float = 0.15) -> dict:
+    """Each log's steps in time order, compressed as ``--timeline`` prints
+    them: {worker pid: [event, ...]}."""
+    logs = sorted(f for f in os.listdir(run_dir) if re.fullmatch(r"engine-\d+\.log", f))
+    per = {f[len("engine-"):-len(".log")]: [s for s in parse(os.path.join(run_dir, f))
+                                           if s["kind"] != "idle"] for f in logs}
+    starts = [s["end"] - s["ms"] / 1000 for v in per.values() for s in v]
+    t0 = min(starts) if starts else 0.0
+    out = {}
+    for pid, steps in per.items():
+        events: list = []
+        run = None                                   # [start, end, rows, steps, threads]
+        for s in steps:
+            start, end = s["end"] - s["ms"] / 1000 - t0, s["end"] - t0
+            if s["kind"] == "decode" and run is not None and start - run[1] < gap_s \
+                    and (s["rows"], s["threads"]) == (run[2], run[4]):
+                run[1], run[3] = end, run[3] + 1
+                continue
+            if run is not None:
+                events.append("D%.2f-%.2fr%dx%dt%d" % tuple(run))
+                run = None
+            if s["kind"] == "decode":
+                run = [start, end, s["rows"], 1, s["threads"]]
+            else:
+                events.append(f"P{start:.2f}+{s['ms'] / 1000:.2f}"
+                              f"[{s['rows']}>{s['rows_after']}]t{s['threads']}")
+        if run is not None:
+            events.append("D%.2f-%.2fr%dx%dt%d" % tuple(run))
+        out[pid] = events
+    return out
+
+
 def _p90(v: list) -> float:
     return sorted(v)[min(len(v) - 1, int(len(v) * 0.9))]
 
@@ -76,12 +116,19 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.bench.step_logs",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("dirs", nargs="+", metavar="DIR", help="a folder of engine-PID.log files")
+    ap.add_argument("--timeline", action="store_true",
+                    help="each worker's steps in time order, one line per worker")
     args = ap.parse_args(argv)
     for d in args.dirs:
         if not os.path.isdir(d):
             print(f"step_logs: {d}: not a folder", file=sys.stderr)
             return 2
     for d in args.dirs:
+        if args.timeline:
+            print(f"{d}: seconds from the first busy step")
+            for pid, events in timeline(d).items():
+                print(f"  {pid} " + " ".join(events))
+            continue
         r = summarize(d)
         print(f"{d}: {r['workers']} workers, {r['steps']} steps over {r['span_s']:.1f} s, "
               f"engines busy {r['busy_s']:.1f} s; {r['prefill_with_rows']} prefill steps "

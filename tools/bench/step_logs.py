@@ -58,8 +58,13 @@ def parse(path: str) -> list[dict]:
     return out
 
 
+def _logs(run_dir: str) -> list:
+    """The ``engine-PID.log`` files of ``run_dir``, by name."""
+    return sorted(f for f in os.listdir(run_dir) if re.fullmatch(r"engine-\d+\.log", f))
+
+
 def summarize(run_dir: str) -> dict:
-    logs = sorted(f for f in os.listdir(run_dir) if re.fullmatch(r"engine-\d+\.log", f))
+    logs = _logs(run_dir)
     steps = [s for f in logs for s in parse(os.path.join(run_dir, f))]
     groups: dict = collections.defaultdict(list)
     held = 0
@@ -79,7 +84,7 @@ def summarize(run_dir: str) -> dict:
 def timeline(run_dir: str, gap_s: float = 0.15) -> dict:
     """Each log's steps in time order, compressed as ``--timeline`` prints
     them: {worker pid: [event, ...]}."""
-    logs = sorted(f for f in os.listdir(run_dir) if re.fullmatch(r"engine-\d+\.log", f))
+    logs = _logs(run_dir)
     per = {f[len("engine-"):-len(".log")]: [s for s in parse(os.path.join(run_dir, f))
                                            if s["kind"] != "idle"] for f in logs}
     starts = [s["end"] - s["ms"] / 1000 for v in per.values() for s in v]
@@ -95,7 +100,7 @@ def timeline(run_dir: str, gap_s: float = 0.15) -> dict:
                 run[1], run[3] = end, run[3] + 1
                 continue
             if run is not None:
-                events.append("D%.2f-%.2fr%dx%dt%d" % tuple(run))
+                events.append(_decode_run(run))
                 run = None
             if s["kind"] == "decode":
                 run = [start, end, s["rows"], 1, s["threads"]]
@@ -103,9 +108,14 @@ def timeline(run_dir: str, gap_s: float = 0.15) -> dict:
                 events.append(f"P{start:.2f}+{s['ms'] / 1000:.2f}"
                               f"[{s['rows']}>{s['rows_after']}]t{s['threads']}")
         if run is not None:
-            events.append("D%.2f-%.2fr%dx%dt%d" % tuple(run))
+            events.append(_decode_run(run))
         out[pid] = events
     return out
+
+
+def _decode_run(run: list) -> str:
+    start, end, rows, steps, threads = run
+    return f"D{start:.2f}-{end:.2f}r{rows}x{steps}t{threads}"
 
 
 def _p90(v: list) -> float:

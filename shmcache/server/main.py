@@ -167,6 +167,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the replies of the worker computing it, and lengthens that prompt's "
                         "time to first token (on a CPU a step's prefill costs about its "
                         "tokens' share of the compute)")
+    p.add_argument("--prefill-threads", metavar="N", type=_positive, default=None,
+                   help="threads each worker runs a prefill's softmax and SiLU on (MLX runs "
+                        "them on one thread, and BLAS threads do not help them; the results "
+                        "are the same bits; default: the CPUs, at most 8; 1: off)")
     p.add_argument("--handoff-tokens", metavar="N", type=_non_negative, default=32,
                    help="with at least as many requests in flight as workers, a request "
                         "with at least N prompt tokens the pool does not hold is prefilled by "
@@ -348,6 +352,7 @@ def _run(args, sock) -> int:
                                     pool_name=args.pool_name,
                                     prefill_step=args.prefill_step,
                                     decoding_prefill_step=args.decoding_prefill_step,
+                                    prefill_threads=args.prefill_threads,
                                     lend_cores=args.lend_cores,
                                     handoff_tokens=args.handoff_tokens,
                                     pack_rows=args.pack_rows,

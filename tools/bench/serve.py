@@ -95,7 +95,7 @@ from tools.bench.serve_procs import (SHM_DIR, PssSampler, Server, _shm_entries, 
 from tools.bench.serve_report import (TARGETS, _ms, _span, _table, report,  # noqa: F401
                                       summarize)
 
-CONFIGS = ("a", "a-lend", "b", "c", "c-sticky", "llama")
+CONFIGS = ("a", "a-lend", "a-pt1", "a-pt4", "b", "c", "c-sticky", "llama")
 DEFAULT_CONFIGS = ("a", "b", "c", "c-sticky")
 #: Debian's libopenblas0-pthread: the BLAS every configuration runs on
 DEBIAN_OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
@@ -131,6 +131,14 @@ def make_configs(workers: int, blas_path: str, sticky: str) -> dict[str, Config]
         "a-lend": Config("a-lend", "a with --lend-cores (idle workers' cores lent to busy ones)",
                          "shmcache", 1, workers, env={"SHMCACHE_BLAS": blas_path},
                          env_unset=_BLAS_ENV, serve_args=("--lend-cores",)),
+        # a prefill's softmax and SiLU on 1 thread (as mlx-lm runs them), or 4
+        "a-pt1": Config("a-pt1", "a with --prefill-threads 1 (a prefill's softmax and SiLU on "
+                        "one thread, as mlx-lm runs them)", "shmcache", 1, workers,
+                        env={"SHMCACHE_BLAS": blas_path}, env_unset=_BLAS_ENV,
+                        serve_args=("--prefill-threads", "1")),
+        "a-pt4": Config("a-pt4", "a with --prefill-threads 4", "shmcache", 1, workers,
+                        env={"SHMCACHE_BLAS": blas_path}, env_unset=_BLAS_ENV,
+                        serve_args=("--prefill-threads", "4")),
         "b": Config("b", f"1 x mlx_lm.server, its defaults: LD_PRELOAD OpenBLAS, "
                     f"OPENBLAS_NUM_THREADS unset ({cores} threads)", "mlx", 1, 1,
                     env={"LD_PRELOAD": blas_path}, env_unset=_BLAS_ENV),

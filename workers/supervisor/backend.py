@@ -100,6 +100,9 @@ class WorkerBackend:
         stall_s: a worker silent this long leaves the routing; twice, it is
             killed (``--worker-timeout``).
         max_reruns: re-runs of one request after worker deaths.
+        prefill_threads: the threads each worker runs a prefill's softmax
+            and SiLU on (``workers/worker/prefill_threads.py``; None: the
+            worker's default, its CPUs, at most 8).
         max_working_bytes: each worker's working K/V bytes (None: half the
             memory shared among the workers).
         handoff_tokens: a request with at least this many prompt tokens not
@@ -118,7 +121,7 @@ class WorkerBackend:
                  cluster_secret: Optional[str] = None, l2_timeout: Optional[float] = None,
                  l2_retry: Optional[float] = None, l2_ttl: Optional[int] = None,
                  prefill_step: int = 512, decoding_prefill_step: Optional[int] = None,
-                 lend_cores: bool = False,
+                 prefill_threads: Optional[int] = None, lend_cores: bool = False,
                  stall_s: float = DEFAULT_STALL_S, max_reruns: int = DEFAULT_MAX_RERUNS,
                  max_working_bytes: Optional[int] = None, handoff_tokens: int = 32,
                  pack_rows: int = 4) -> None:
@@ -154,7 +157,8 @@ class WorkerBackend:
         self.procs = WorkerProcesses(
             self.path, workers, block_size=block_size, max_blocks=max_blocks,
             max_batch=max_batch, prefill_step=self.prefill_step,
-            decoding_prefill_step=decoding_prefill_step, pool_name=self.pool_name,
+            decoding_prefill_step=decoding_prefill_step, prefill_threads=prefill_threads,
+            pool_name=self.pool_name,
             on_message=self._on, redispatch=self._dispatch,
             startup_cancelled=lambda: self.startup_cancelled(),
             l2_url=l2, cluster_secret=cluster_secret.encode() if cluster_secret else None,

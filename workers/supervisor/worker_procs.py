@@ -278,9 +278,10 @@ class WorkerProcesses:
         n_workers: worker processes.
         block_size: tokens per block.
         max_blocks: pool blocks (None: :func:`choose_pool_blocks` at ``prepare``).
-        max_batch, prefill_step, decoding_prefill_step: each worker's
-            (``--max-batch``, ``--prefill-step``, ``--decoding-prefill-step``;
-            None: its default).
+        max_batch, prefill_step, decoding_prefill_step, prefill_threads:
+            each worker's (``--max-batch``, ``--prefill-step``,
+            ``--decoding-prefill-step``, ``--prefill-threads``; None: its
+            default).
         pool_name: the pool's name.
         on_message: called with each message a worker sends.
         redispatch: awaited with each request of a dead worker to run again.
@@ -299,6 +300,7 @@ class WorkerProcesses:
     def __init__(self, path: Path, n_workers: int, *, block_size: int,
                  max_blocks: Optional[int], max_batch: int, prefill_step: int, pool_name: str,
                  decoding_prefill_step: Optional[int] = None,
+                 prefill_threads: Optional[int] = None,
                  on_message: Callable[[WorkerProc, Any], None],
                  redispatch: Callable[[Flight], Awaitable[None]],
                  startup_cancelled: Callable[[], bool] = lambda: False,
@@ -314,6 +316,7 @@ class WorkerProcesses:
         self.max_batch = max_batch
         self.prefill_step = prefill_step
         self.decoding_prefill_step = decoding_prefill_step
+        self.prefill_threads = prefill_threads
         self.pool_name = pool_name
         self.on_message = on_message
         self.redispatch = redispatch
@@ -458,6 +461,8 @@ class WorkerProcesses:
                     extra += [flag, str(v)]
         if self.decoding_prefill_step is not None:
             extra += ["--decoding-prefill-step", str(self.decoding_prefill_step)]
+        if self.prefill_threads is not None:
+            extra += ["--prefill-threads", str(self.prefill_threads)]
         w.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "workers.worker.main", "--pool", self.pool_name,
             "--model", str(self.path), "--id", str(w.idx), "--max-batch", str(self.max_batch),

@@ -65,6 +65,7 @@ LAYERS = [
      "workers workers.protocol workers.wire"),
     ("a worker process (python -m workers.worker.main): its engine",
      "workers.worker workers.worker.engine workers.worker.sampling workers.worker.step_timing "
+     "workers.worker.prefill_threads "
      "workers.worker.main"),
     ("the supervisor (in the shmcache serve process): the pool, the worker processes, routing",
      "workers.supervisor workers.supervisor.backend workers.supervisor.worker_procs"),

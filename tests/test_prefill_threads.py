@@ -11,6 +11,8 @@
   puts mlx-lm's functions back.
 * Where the bits would differ (the check replaced by one that says so, a
   stand-in), nothing is installed.
+* The supervisor's default: the CPUs, at most 8, with 2 or more CPUs a
+  worker; else 1.
 """
 
 from __future__ import annotations
@@ -108,3 +110,11 @@ def test_nothing_is_installed_where_the_bits_differ(lm, monkeypatch, caplog, res
         assert getattr(m, "swiglu", activations.swiglu) is activations.swiglu
         assert getattr(m, "scaled_dot_product_attention",
                        base.scaled_dot_product_attention) is base.scaled_dot_product_attention
+
+
+@pytest.mark.parametrize("cpus, workers, want", [(16, 8, 8), (64, 4, 8), (2, 2, 1), (2, 1, 2),
+                                                 (3, 2, 1), (4, 2, 4)])
+def test_the_default_threads_need_two_cpus_a_worker(monkeypatch, cpus, workers, want):
+    from workers.supervisor import worker_procs
+    monkeypatch.setattr(worker_procs, "cpus_available", lambda: cpus)
+    assert worker_procs.prefill_threads_per_worker(workers) == want

@@ -350,6 +350,29 @@ def test_decoding_prefill_step_reaches_the_workers_and_keeps_the_answers(model_d
     assert len(chunked) >= 300 // BS - 1, steps      # one block a step while the reply runs
 
 
+@pytest.mark.timeout(180)
+def test_prefill_threads_reach_the_workers_and_keep_the_answers(model_dir, reference,
+                                                                monkeypatch):
+    """--prefill-threads 3: the worker runs with it, installs the split (its
+    log says so) and a 300-token prompt's answer is the reference's; by
+    default the workers get the supervisor's choice."""
+    from workers.supervisor.worker_procs import prefill_threads_per_worker
+    monkeypatch.setenv("SHMCACHE_LOG_LEVEL", "info")
+    with serving(model_dir, "--workers", 1, "--max-blocks", 256,
+                 "--prefill-threads", 3) as srv:
+        (proc,) = srv.worker_procs()
+        assert proc.cmdline()[proc.cmdline().index("--prefill-threads") + 1] == "3"
+        prompt = printable(random.Random(8), 300)
+        answer = got(srv.client().completions.create(model=MODEL_NAME, prompt=prompt,
+                                                     max_tokens=8, temperature=0))
+        assert answer == reference.greedy(prompt, 8)
+        assert "worker 0: prefill threads: 3" in srv.log()
+    with serving(model_dir, "--workers", 2, "--max-blocks", 64) as srv:
+        want = str(prefill_threads_per_worker(2))
+        for proc in srv.worker_procs():
+            assert proc.cmdline()[proc.cmdline().index("--prefill-threads") + 1] == want
+
+
 @pytest.mark.timeout(120)
 def test_an_empty_blas_threads_setting_starts_workers_with_their_share(model_dir, reference,
                                                                        monkeypatch):

@@ -170,7 +170,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-threads", metavar="N", type=_positive, default=None,
                    help="threads each worker runs a prefill's softmax and SiLU on (MLX runs "
                         "them on one thread, and BLAS threads do not help them; the results "
-                        "are the same bits; default: the CPUs, at most 8; 1: off)")
+                        "are the same bits; default: the CPUs, at most 8, where the workers "
+                        "have 2 CPUs or more each, else 1: off)")
     p.add_argument("--handoff-tokens", metavar="N", type=_non_negative, default=32,
                    help="with at least as many requests in flight as workers, a request "
                         "with at least N prompt tokens the pool does not hold is prefilled by "

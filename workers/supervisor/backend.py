@@ -101,8 +101,8 @@ class WorkerBackend:
             killed (``--worker-timeout``).
         max_reruns: re-runs of one request after worker deaths.
         prefill_threads: the threads each worker runs a prefill's softmax
-            and SiLU on (``workers/worker/prefill_threads.py``; None: the
-            worker's default, its CPUs, at most 8).
+            and SiLU on (``workers/worker/prefill_threads.py``; None:
+            ``prefill_threads_per_worker``).
         max_working_bytes: each worker's working K/V bytes (None: half the
             memory shared among the workers).
         handoff_tokens: a request with at least this many prompt tokens not

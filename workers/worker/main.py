@@ -67,9 +67,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-step", type=int, default=512)
     ap.add_argument("--decoding-prefill-step", type=int, default=None,
                     help="the prefill tokens per step while rows run (default: --prefill-step)")
-    ap.add_argument("--prefill-threads", type=int, default=0,
-                    help="threads for a prefill's softmax and SiLU (prefill_threads; 0: "
-                         "the CPUs this process may use, at most 8)")
+    ap.add_argument("--prefill-threads", type=int, default=1,
+                    help="threads for a prefill's softmax and SiLU (prefill_threads; the "
+                         "supervisor passes its choice; 1: off)")
     ap.add_argument("--max-working-bytes", type=int, default=None,
                     help="the most bytes of working K/V buffers (Engine's max_working_bytes)")
     ap.add_argument("--l2", default=None, help="the L2's Redis URL")
@@ -90,8 +90,7 @@ def main(argv=None) -> int:
 
     model, tokenizer = load_model_shared(args.model)   # one copy of the weights for all workers
     from . import prefill_threads
-    threads = args.prefill_threads or min(prefill_threads.DEFAULT_MAX, len(os.sched_getaffinity(0)))
-    threads = prefill_threads.install(model, threads)
+    threads = prefill_threads.install(model, args.prefill_threads)
     logging.getLogger(__name__).info("prefill threads: %d", threads)
     l2 = {}
     if args.l2:

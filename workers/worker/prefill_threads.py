@@ -45,7 +45,6 @@ import mlx_lm.models.base as _base
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX = 8         # the default threads: the CPUs, at most this many
 MIN_PART_ROWS = 16      # rows of one part: below, a thread's start costs more than it saves
 
 _mlx_swiglu: Any = _activations.swiglu

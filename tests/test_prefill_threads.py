@@ -69,6 +69,23 @@ def test_the_split_functions_give_mlx_lms_bits():
     assert split.calls == 9
 
 
+def test_attention_over_a_long_context_is_not_split(monkeypatch):
+    """Scores larger than MAX_SPLIT_SCORES_BYTES (here lowered) go to
+    mlx-lm's function whole: the split would hold a second copy of them."""
+    split = pt._Split(4)
+    keys = iter(mx.random.split(mx.random.key(5), 3))
+    q = mx.random.normal((1, 4, 64, 16), key=next(keys))
+    k, v = (mx.random.normal((1, 2, 64, 16), key=next(keys)) for _ in range(2))
+    monkeypatch.setattr(pt, "MAX_SPLIT_SCORES_BYTES", 4 * 64 * 64 * 4)       # these scores
+    split.sdpa(q, k, v, None, scale=0.25, mask="causal")
+    assert split.calls == 1
+    monkeypatch.setattr(pt, "MAX_SPLIT_SCORES_BYTES", 4 * 64 * 64 * 4 - 1)
+    got = split.sdpa(q, k, v, None, scale=0.25, mask="causal")
+    assert split.calls == 1
+    want = base.scaled_dot_product_attention(q, k, v, None, scale=0.25, mask="causal")
+    assert mx.array_equal(got, want).item()
+
+
 @pytest.mark.timeout(300)
 def test_greedy_tokens_equal_mlx_lm_with_the_split_installed(lm, pools, restore):  # noqa: F811
     rng = random.Random(11)

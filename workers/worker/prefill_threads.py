@@ -29,8 +29,10 @@ How: mlx-lm's model modules call ``swiglu`` and
 ``scaled_dot_product_attention`` by their module-global names (``from
 .activations import swiglu``). :func:`install` rebinds those names, in the
 modules of the model's own classes only, to the split functions; steps with
-fewer than ``2 * MIN_PART_ROWS`` rows (every decode step) go straight to
-mlx-lm's. :func:`uninstall` puts them back.
+fewer than ``2 * MIN_PART_ROWS`` rows (every decode step), and attention
+whose scores pass ``MAX_SPLIT_SCORES_BYTES`` (a long context: the split
+joins a second copy of them), go straight to mlx-lm's. :func:`uninstall`
+puts them back.
 """
 
 from __future__ import annotations
@@ -46,6 +48,11 @@ import mlx_lm.models.base as _base
 log = logging.getLogger(__name__)
 
 MIN_PART_ROWS = 16      # rows of one part: below, a thread's start costs more than it saves
+#: the largest attention scores (B x Hq x L x S elements, in bytes) that are
+#: split: the parts' softmax is joined into a second copy of the scores, so a
+#: split prefill holds up to this much more memory than mlx-lm's for a moment
+#: (with 14 query heads and 512-token steps: contexts up to about 9,000 tokens)
+MAX_SPLIT_SCORES_BYTES = 256 << 20
 
 _mlx_swiglu: Any = _activations.swiglu
 _mlx_sdpa: Any = _base.scaled_dot_product_attention   # (its mask may be a str too)
@@ -83,8 +90,10 @@ class _Split:
     def sdpa(self, queries, keys, values, cache, scale: float, mask, sinks=None):
         # queries: (B, Hq, L, D); keys, values: (B, Hkv, S, D)
         L = queries.shape[2]
+        scores_bytes = queries.size // queries.shape[-1] * keys.shape[2] * queries.itemsize
         if (L < 2 * MIN_PART_ROWS or sinks is not None or hasattr(cache, "bits")
-                or queries.ndim != 4 or queries.shape[1] % keys.shape[1]):
+                or queries.ndim != 4 or queries.shape[1] % keys.shape[1]
+                or scores_bytes > MAX_SPLIT_SCORES_BYTES):
             return _mlx_sdpa(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
         if isinstance(mask, str) and mask != "causal":
             return _mlx_sdpa(queries, keys, values, cache, scale=scale, mask=mask)

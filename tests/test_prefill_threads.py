@@ -10,7 +10,8 @@
   the install, cold and warm, and the split path did run; ``uninstall``
   puts mlx-lm's functions back.
 * Where the bits would differ (the check replaced by one that says so, a
-  stand-in), nothing is installed.
+  stand-in), or MLX computes on a GPU (a stand-in too), nothing is
+  installed.
 * The supervisor's default: the CPUs, at most 8, with 2 or more CPUs a
   worker; else 1.
 """
@@ -123,6 +124,9 @@ def test_nothing_is_installed_where_the_bits_differ(lm, monkeypatch, caplog, res
         assert pt.install(lm.model, 4) == 1
     assert "prefill threads off" in caplog.text and "attention (causal mask" in caplog.text
     assert pt.install(lm.model, 1) == 1
+    monkeypatch.setattr(pt, "_agrees", lambda split: None)
+    monkeypatch.setattr(pt, "_on_cpu", lambda: False)        # a stand-in for a GPU
+    assert pt.install(lm.model, 4) == 1
     for m in _model_modules(lm.model):
         assert getattr(m, "swiglu", activations.swiglu) is activations.swiglu
         assert getattr(m, "scaled_dot_product_attention",

@@ -6,8 +6,9 @@ thread, element by element. In a long prefill two of those operations are
 dear: attention's softmax (one exponential per query-key pair) and the SiLU
 of the SwiGLU MLP (one per hidden unit). On Qwen2.5-0.5B's shape, a
 448-token prefill on 2 BLAS threads spends about 60% of its time in them
-(48 ms of softmax and 39 ms of SiLU per layer against 35 ms of products;
-``docs/performance.md``), and more BLAS threads cannot shorten it.
+(per layer 49 ms of attention, 40 of them the softmax, and 39 ms of SiLU,
+against about 35 ms of products; ``docs/decisions/0021-prefill-threads.md``),
+and more BLAS threads cannot shorten it.
 
 Each MLX CPU stream has its own thread. So this module splits those two
 operations by rows (token rows; attention's query rows) into parts, one
@@ -89,11 +90,12 @@ class _Split:
 
     def sdpa(self, queries, keys, values, cache, scale: float, mask, sinks=None):
         # queries: (B, Hq, L, D); keys, values: (B, Hkv, S, D)
+        if queries.ndim != 4 or keys.ndim != 4:
+            return _mlx_sdpa(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
         L = queries.shape[2]
         scores_bytes = queries.size // queries.shape[-1] * keys.shape[2] * queries.itemsize
         if (L < 2 * MIN_PART_ROWS or sinks is not None or hasattr(cache, "bits")
-                or queries.ndim != 4 or queries.shape[1] % keys.shape[1]
-                or scores_bytes > MAX_SPLIT_SCORES_BYTES):
+                or queries.shape[1] % keys.shape[1] or scores_bytes > MAX_SPLIT_SCORES_BYTES):
             return _mlx_sdpa(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
         if isinstance(mask, str) and mask != "causal":
             return _mlx_sdpa(queries, keys, values, cache, scale=scale, mask=mask)
@@ -129,6 +131,10 @@ class _Split:
         return o.reshape(B, Hq, L, D) if rep > 1 else o
 
 
+def _on_cpu() -> bool:
+    return mx.default_device() == mx.cpu
+
+
 _installed: dict = {}          # module name -> (its swiglu, its sdpa) before install
 
 
@@ -160,10 +166,12 @@ def _agrees(split: _Split) -> Optional[str]:
 def install(model, threads: int) -> int:
     """Split ``model``'s prefill softmax and SiLU over ``threads`` CPU
     threads. Returns the threads in use: ``threads``, or 1 when ``threads``
-    is 1, the model's modules call neither function, or the split results
-    differ from mlx-lm's on this machine (logged; nothing installed)."""
+    is 1, MLX computes on another device than the CPU (a GPU runs these
+    operations in parallel already), the model's modules call neither
+    function, or the split results differ from mlx-lm's on this machine
+    (logged; nothing installed)."""
     uninstall()
-    if threads <= 1:
+    if threads <= 1 or not _on_cpu():
         return 1
     split = _Split(threads)
     bad = _agrees(split)

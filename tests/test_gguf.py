@@ -4,7 +4,8 @@
   a Q8_0 embedding), converted once per session: greedy mlx-lm answers
   "What is the capital of France?" with Paris; its tokenizer round-trips and
   gives stable ids; greedy tokens through the pool (cold, then warm from the
-  prefix the cold run published) are mlx-lm's ``generate_step``'s own.
+  prefix the cold run published) are mlx-lm's ``generate_step``'s own, also
+  with the worker's prefill threads installed.
 * Small llama and qwen2 GGUFs written with ``mx.save_gguf`` from random
   weights laid out as llama.cpp does (``tests/_gguf.py``): the converted
   directory computes the original's logits (so the Q/K un-permutation and
@@ -164,6 +165,43 @@ def test_smollm2_engine_admits_warm_requests_together_with_mlx_lm_tokens(smollm,
     assert failed == []
     assert [tokens[i] for i in range(len(prompts))] == want
     assert "Paris" in tok.decode(tokens[0])
+
+
+@pytest.mark.timeout(300)
+def test_smollm2_with_prefill_threads_gives_mlx_lms_tokens(smollm, pools):
+    """The worker's prefill threads (``workers.worker.prefill_threads``,
+    decision 0021) installed on the real model: two chats sharing a system
+    message through the engine, cold then warm, give the greedy tokens of
+    mlx-lm's ``generate_step`` computed before the install, and the split
+    path ran."""
+    from shmcache.models import mlx_lm as P
+    from workers.worker import prefill_threads as pt
+    from workers.worker.engine import Engine
+    from test_engine import Events, gen, reference, run
+    _, model, tok = smollm
+    system = {"role": "system", "content": "You are a concise assistant. Answer every "
+                                           "question in one short sentence, and never add "
+                                           "anything else to the answer."}
+    prompts = [_chat_prompt(tok, [system, {"role": "user", "content": q}])
+               for q in ("What is the capital of France?", "Name a primary color.")]
+    assert len(prompts[0]) > 2 * pt.MIN_PART_ROWS + 1          # the cold prefill splits
+    want = [reference(model, p, 10) for p in prompts]
+    try:
+        assert pt.install(model, 3) == 3
+        split = sys.modules[type(model.layers[0].mlp).__module__].swiglu.__self__
+        mgr = pools(block_size=BS, max_blocks=256, **P.pool_layout(model))
+        ev = Events()
+        eng = Engine(mgr, model, [], ev)
+        for i, p in enumerate(prompts):
+            eng.submit(gen(i, p, 10))
+            run(eng)
+        eng.close()
+    finally:
+        pt.uninstall()
+    assert ev.failed == []
+    assert [ev.tokens[i] for i in range(2)] == want
+    assert split.calls > 0
+    assert "Paris" in tok.decode(ev.tokens[0])
 
 
 @pytest.mark.timeout(300)

@@ -123,22 +123,21 @@ def make_configs(workers: int, blas_path: str, sticky: str) -> dict[str, Config]
     # a's workers get the cores shared out as BLAS threads (its default); the
     # N servers of c get the same share each, so both use every core alike
     share = str(max(1, cores // workers))
+
+    def shmcache(name: str, label: str, *serve_args: str) -> Config:
+        return Config(name, label, "shmcache", 1, workers, env={"SHMCACHE_BLAS": blas_path},
+                      env_unset=_BLAS_ENV, serve_args=serve_args)
+
     return {
-        "a": Config("a", f"shmcache serve --workers {workers} (OpenBLAS bound by shmcache, "
-                    f"its default: {share} thread(s) per worker)", "shmcache", 1, workers,
-                    env={"SHMCACHE_BLAS": blas_path}, env_unset=_BLAS_ENV),
+        "a": shmcache("a", f"shmcache serve --workers {workers} (OpenBLAS bound by shmcache, "
+                      f"its default: {share} thread(s) per worker)"),
         # the same with --lend-cores: what lending idle workers' cores gives
-        "a-lend": Config("a-lend", "a with --lend-cores (idle workers' cores lent to busy ones)",
-                         "shmcache", 1, workers, env={"SHMCACHE_BLAS": blas_path},
-                         env_unset=_BLAS_ENV, serve_args=("--lend-cores",)),
+        "a-lend": shmcache("a-lend", "a with --lend-cores (idle workers' cores lent to busy "
+                           "ones)", "--lend-cores"),
         # a prefill's softmax and SiLU on 1 thread (as mlx-lm runs them), or 4
-        "a-pt1": Config("a-pt1", "a with --prefill-threads 1 (a prefill's softmax and SiLU on "
-                        "one thread, as mlx-lm runs them)", "shmcache", 1, workers,
-                        env={"SHMCACHE_BLAS": blas_path}, env_unset=_BLAS_ENV,
-                        serve_args=("--prefill-threads", "1")),
-        "a-pt4": Config("a-pt4", "a with --prefill-threads 4", "shmcache", 1, workers,
-                        env={"SHMCACHE_BLAS": blas_path}, env_unset=_BLAS_ENV,
-                        serve_args=("--prefill-threads", "4")),
+        "a-pt1": shmcache("a-pt1", "a with --prefill-threads 1 (a prefill's softmax and SiLU "
+                          "on one thread, as mlx-lm runs them)", "--prefill-threads", "1"),
+        "a-pt4": shmcache("a-pt4", "a with --prefill-threads 4", "--prefill-threads", "4"),
         "b": Config("b", f"1 x mlx_lm.server, its defaults: LD_PRELOAD OpenBLAS, "
                     f"OPENBLAS_NUM_THREADS unset ({cores} threads)", "mlx", 1, 1,
                     env={"LD_PRELOAD": blas_path}, env_unset=_BLAS_ENV),

@@ -95,10 +95,9 @@ class _Split:
         L = queries.shape[2]
         scores_bytes = queries.size // queries.shape[-1] * keys.shape[2] * queries.itemsize
         if (L < 2 * MIN_PART_ROWS or sinks is not None or hasattr(cache, "bits")
-                or queries.shape[1] % keys.shape[1] or scores_bytes > MAX_SPLIT_SCORES_BYTES):
+                or queries.shape[1] % keys.shape[1] or scores_bytes > MAX_SPLIT_SCORES_BYTES
+                or (isinstance(mask, str) and mask != "causal")):
             return _mlx_sdpa(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
-        if isinstance(mask, str) and mask != "causal":
-            return _mlx_sdpa(queries, keys, values, cache, scale=scale, mask=mask)
         self.calls += 1
         B, Hq, _, D = queries.shape
         Hkv, S = keys.shape[1], keys.shape[2]
@@ -135,7 +134,7 @@ def _on_cpu() -> bool:
     return mx.default_device() == mx.cpu
 
 
-_installed: dict = {}          # module name -> (its swiglu, its sdpa) before install
+_installed: dict = {}          # module name -> {name rebound: mlx-lm's function}
 
 
 def _agrees(split: _Split) -> Optional[str]:
@@ -179,29 +178,19 @@ def install(model, threads: int) -> int:
         log.warning("prefill threads off: the split %s differs from mlx-lm's on this "
                     "machine's MLX; prefills run on one thread", bad)
         return 1
-    hit = False
     for name in sorted({type(m).__module__ for _, m in model.named_modules()}):
-        mod: Any = sys.modules.get(name)
-        if mod is None:
-            continue
-        was = (getattr(mod, "swiglu", None), getattr(mod, "scaled_dot_product_attention", None))
-        if was[0] is not _mlx_swiglu and was[1] is not _mlx_sdpa:
-            continue
-        _installed[name] = was
-        if was[0] is _mlx_swiglu:
-            mod.swiglu = split.swiglu
-        if was[1] is _mlx_sdpa:
-            mod.scaled_dot_product_attention = split.sdpa
-        hit = True
-    return threads if hit else 1
+        mod = sys.modules.get(name)
+        for fn, mine, theirs in (("swiglu", split.swiglu, _mlx_swiglu),
+                                 ("scaled_dot_product_attention", split.sdpa, _mlx_sdpa)):
+            if getattr(mod, fn, None) is theirs:
+                _installed.setdefault(name, {})[fn] = theirs
+                setattr(mod, fn, mine)
+    return threads if _installed else 1
 
 
 def uninstall() -> None:
     """Every module :func:`install` changed gets mlx-lm's functions back."""
-    for name, (swiglu, sdpa) in _installed.items():
-        mod: Any = sys.modules[name]
-        if swiglu is not None:
-            mod.swiglu = swiglu
-        if sdpa is not None:
-            mod.scaled_dot_product_attention = sdpa
+    for name, rebound in _installed.items():
+        for fn, theirs in rebound.items():
+            setattr(sys.modules[name], fn, theirs)
     _installed.clear()

@@ -28,7 +28,8 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
 
 def _env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items()
-           if k not in ("SHMCACHE_BLAS", "SHMCACHE_BLAS_THREADS", "LD_PRELOAD")}
+           if k not in ("SHMCACHE_BLAS", "SHMCACHE_BLAS_THREADS", "LD_PRELOAD",
+                        "OPENBLAS_THREAD_TIMEOUT")}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra)
     return env
@@ -96,6 +97,32 @@ def test_explicit_library_and_threads():
     assert i["optimized"] and i["bound"], i
     if i["name"] in ("openblas", "blis", "mkl"):
         assert i["threads"] == 2, i
+
+
+SPIN_PROBE = """
+import json, time, shmcache
+import mlx.core as mx
+from shmcache.system import blas
+a = mx.random.normal((384, 384))
+for _ in range(5):
+    mx.eval(a @ a)
+t0 = time.process_time()
+time.sleep(0.3)
+print(json.dumps({"idle_cpu_s": time.process_time() - t0, "name": blas.info().name}))
+"""
+
+
+def test_the_workers_spin_setting_puts_openblas_threads_to_sleep_at_once():
+    """OpenBLAS's threads spin about 0.1 s after a product by default (here:
+    0.10 s of CPU in a 0.3 s sleep, with 2 threads); with the setting the
+    supervisor gives its workers they sleep at once, leaving the cores to
+    the other workers. Fails if OpenBLAS ignored it, or the name changed."""
+    from workers.supervisor.worker_procs import BLAS_SPIN, BLAS_SPIN_ENV
+    _need_optimized()
+    out = _run(SPIN_PROBE, SHMCACHE_BLAS_THREADS="2", **{BLAS_SPIN_ENV: BLAS_SPIN})
+    if out["name"] != "openblas":
+        pytest.skip(f"the spin setting is OpenBLAS's; the BLAS bound here is {out['name']}")
+    assert out["idle_cpu_s"] < 0.03, out
 
 
 def test_a_missing_library_warns_and_falls_back():

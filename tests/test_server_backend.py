@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tools.bench import step_logs
+from workers.supervisor.worker_procs import BLAS_SPIN, BLAS_SPIN_ENV
 
 from _serve_proc import BS, MODEL_NAME, STARTUP_S, _is_running, got, printable, serving
 from _serve_proc import model_dir, reference  # pytest fixtures
@@ -154,12 +155,15 @@ def test_worker_killed_mid_request_is_rerun(model_dir, reference):
 
 
 @pytest.mark.timeout(300)
-def test_a_new_shared_prefix_is_computed_once_and_spreads_over_workers(model_dir, reference):
+def test_a_new_shared_prefix_is_computed_once_and_spreads_over_workers(model_dir, reference,
+                                                                       monkeypatch):
     """Four requests arrive together with a prefix nobody has computed. The
     first one computes it; the others wait for its blocks (not for that
     worker's queue) and then run on the least-loaded workers (the handoff
     off), so both workers serve while the prefix is computed once. /metrics
-    shows the running samples per worker."""
+    shows the running samples per worker. The workers' OpenBLAS threads are
+    told to sleep at once after a product (the operator set nothing)."""
+    monkeypatch.delenv(BLAS_SPIN_ENV, raising=False)
     with serving(model_dir, "--workers", 2, "--max-blocks", 256, "--handoff-tokens", 0) as srv:
         client = srv.client()
         rng = random.Random(808)
@@ -171,6 +175,7 @@ def test_a_new_shared_prefix_is_computed_once_and_spreads_over_workers(model_dir
         # the CPUs are shared out as BLAS threads
         share = str(max(1, len(os.sched_getaffinity(0)) // 2))
         assert [w.environ().get("SHMCACHE_BLAS_THREADS") for w in (w0, w1)] == [share] * 2
+        assert [w.environ().get(BLAS_SPIN_ENV) for w in (w0, w1)] == [BLAS_SPIN] * 2
 
         def ask(p):
             return p, client.completions.create(model=MODEL_NAME, prompt=p, max_tokens=40,
@@ -377,12 +382,15 @@ def test_prefill_threads_reach_the_workers_and_keep_the_answers(model_dir, refer
 def test_an_empty_blas_threads_setting_starts_workers_with_their_share(model_dir, reference,
                                                                        monkeypatch):
     """SHMCACHE_BLAS_THREADS set but empty (as container env files write it)
-    is no choice: the workers start with their share of the CPUs and serve."""
+    is no choice: the workers start with their share of the CPUs and serve.
+    An OpenBLAS spin the operator did set is kept."""
     monkeypatch.setenv("SHMCACHE_BLAS_THREADS", "")
+    monkeypatch.setenv(BLAS_SPIN_ENV, "12")
     with serving(model_dir, "--workers", 2, "--max-blocks", 64) as srv:
         share = str(max(1, len(os.sched_getaffinity(0)) // 2))
         assert [w.environ().get("SHMCACHE_BLAS_THREADS") for w in srv.worker_procs()] == \
             [share] * 2
+        assert [w.environ().get(BLAS_SPIN_ENV) for w in srv.worker_procs()] == ["12"] * 2
         prompt = printable(random.Random(5), 20)
         r = srv.client().completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4,
                                             temperature=0)

@@ -14,6 +14,10 @@ worker), mlx_lm.server gets it through LD_PRELOAD):
               places new sessions round-robin and keeps them; --sticky hash:
               crc32 of the session's name mod N). Run on the chat workload only:
               elsewhere it is c.
+    a-NAME    a with other flags, from --variant NAME=ARGS (repeatable): ARGS are
+              more ``shmcache serve`` flags, led by any VAR=VALUE words that go
+              into its environment (--variant pack8='--pack-rows 8' defines
+              a-pack8); paired round by round with the rest, for an experiment
     llama     llama.cpp's server (llama_cpp.server) on the same GGUF file, every
               core as a thread, with --llama-cpp and --gguf (or a .gguf --model);
               skipped, with the reason printed, where llama_cpp does not import
@@ -69,6 +73,7 @@ left in /dev/shm) does (exit 1). Bad arguments: exit 2.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -118,17 +123,24 @@ class Config:
     serve_args: tuple = ()       # more `shmcache serve` arguments (kind "shmcache")
 
 
-def make_configs(workers: int, blas_path: str, sticky: str) -> dict[str, Config]:
+def make_configs(workers: int, blas_path: str, sticky: str,
+                 variants: Optional[dict[str, tuple[dict, tuple]]] = None
+                 ) -> dict[str, Config]:
     cores = os.cpu_count() or 1
     # a's workers get the cores shared out as BLAS threads (its default); the
     # N servers of c get the same share each, so both use every core alike
     share = str(max(1, cores // workers))
 
-    def shmcache(name: str, label: str, *serve_args: str) -> Config:
-        return Config(name, label, "shmcache", 1, workers, env={"SHMCACHE_BLAS": blas_path},
+    def shmcache(name: str, label: str, *serve_args: str, env: Optional[dict] = None
+                 ) -> Config:
+        return Config(name, label, "shmcache", 1, workers,
+                      env={"SHMCACHE_BLAS": blas_path, **(env or {})},
                       env_unset=_BLAS_ENV, serve_args=serve_args)
 
-    return {
+    made = {name: shmcache(name, "a with " + shlex.join(
+                [f"{k}={v}" for k, v in env.items()] + list(argv)), *argv, env=env)
+            for name, (env, argv) in (variants or {}).items()}
+    return made | {
         "a": shmcache("a", f"shmcache serve --workers {workers} (OpenBLAS bound by shmcache, "
                       f"its default: {share} thread(s) per worker)"),
         # the same with --lend-cores: what lending idle workers' cores gives
@@ -357,6 +369,10 @@ def parse_args(argv) -> argparse.Namespace:
                    help="add llama.cpp's server (config llama) where llama_cpp imports")
     g.add_argument("--gguf", metavar="FILE", help="the GGUF file llama.cpp serves")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
+                    help="one more configuration, a-NAME: (a) with ARGS, more shmcache "
+                         "serve flags led by any VAR=VALUE words for its environment "
+                         "(repeatable; e.g. pack8='--pack-rows 8'); add a-NAME to --only")
     ap.add_argument("--serve-args", default="", metavar="ARGS",
                     help="extra flags for shmcache serve (a), e.g. '--prefill-step 256' "
                          "(default: none, its defaults)")
@@ -380,11 +396,21 @@ def parse_args(argv) -> argparse.Namespace:
     args.workloads = _csv(args.workloads)
     if not args.workloads or any(w not in WORKLOADS for w in args.workloads):
         ap.error(f"--workloads {','.join(args.workloads)}: choose from {','.join(WORKLOADS)}")
+    args.variants = {}
+    for v in args.variant:
+        name, eq, rest = v.partition("=")
+        if not eq or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+            ap.error(f"--variant {v!r}: want NAME=ARGS, NAME of letters, digits, _ . -")
+        words = shlex.split(rest)
+        env = dict(w.split("=", 1) for w in itertools.takewhile(
+            lambda w: re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", w) is not None, words))
+        args.variants["a-" + name] = (env, tuple(words[len(env):]))
     args.configs = _csv(args.configs)
     if args.llama_cpp and "llama" not in args.configs:
         args.configs.append("llama")
-    if not args.configs or any(c not in CONFIGS for c in args.configs):
-        ap.error(f"--configs {','.join(args.configs)}: choose from {','.join(CONFIGS)}")
+    known = CONFIGS + tuple(args.variants)
+    if not args.configs or any(c not in known for c in args.configs):
+        ap.error(f"--configs {','.join(args.configs)}: choose from {','.join(known)}")
     m = re.fullmatch(r"(\d+)-(\d+)", args.user_chars)
     if not m or not 1 <= int(m[1]) <= int(m[2]):
         ap.error(f"--user-chars {args.user_chars}: want MIN-MAX, 1 <= MIN <= MAX")
@@ -437,7 +463,7 @@ def main(argv=None) -> int:
         log(f"skipping llama: {why}")
         notes.append(f"llama skipped: {why}")
         args.configs.remove("llama")
-    configs = make_configs(args.workers, blas_path, args.sticky)
+    configs = make_configs(args.workers, blas_path, args.sticky, args.variants)
 
     payloads, describe = {}, {}
     for w in args.workloads:

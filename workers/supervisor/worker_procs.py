@@ -61,6 +61,11 @@ MIN_POOL_BLOCKS = 64                  # the smallest pool a default size may cho
 DEFAULT_STALL_S = 10.0                # a worker silent this long is out of routing (2x: killed)
 DEFAULT_MAX_RERUNS = 2                # re-runs of one request after worker deaths
 POOL_PREFIX = "serve-"                # the default pool names: serve-<pid>
+#: OpenBLAS's threads spin after each product for 2^n cycles (n = 28 by
+#: default, about 0.1 s) before they sleep, on cores that the other workers
+#: and the prefill threads need; the workers' threads sleep at once (n = 4,
+#: OpenBLAS's least) unless the operator set it (decision 0022)
+BLAS_SPIN_ENV, BLAS_SPIN = "OPENBLAS_THREAD_TIMEOUT", "4"
 
 
 class StartupCancelled(Exception):
@@ -465,6 +470,8 @@ class WorkerProcesses:
         # what the worker will run: the operator's value, or 1 where that is
         # not a positive integer (shmcache.system.blas warns, there)
         w.blas_threads = threads_from_env(env) or 1
+        if not env.get(BLAS_SPIN_ENV, "").strip():
+            env[BLAS_SPIN_ENV] = BLAS_SPIN
         w.blas_threads_running = 0                 # (until the new process reports)
         extra: list[str] = []
         if self.l2_url:

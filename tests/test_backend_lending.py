@@ -211,3 +211,31 @@ def test_requests_waiting_for_lent_cores_hold_back_no_request_whose_prefix_is_ca
         await asyncio.wait_for(asyncio.gather(first, second), 1)
         assert gens(ws[1]) == [10] and gens(ws[2]) == [11]
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("cpus, workers, want", [(16, 8, True), (16, 9, False),
+                                                 (2, 2, False), (2, 1, True), (1, 1, False)])
+def test_lending_is_on_by_default_where_each_worker_has_two_cpus(monkeypatch, cpus, workers,
+                                                                 want):
+    from workers.supervisor import worker_procs
+    monkeypatch.setattr(worker_procs, "cpus_available", lambda: cpus)
+    assert worker_procs.lend_cores_by_default(workers) == want
+
+
+def test_the_backend_takes_the_lending_default_unless_told_or_the_threads_are_set(
+        monkeypatch, tmp_path):
+    """WorkerBackend's constructor (nothing started): lend_cores=None takes
+    the default rule; an explicit choice wins; SHMCACHE_BLAS_THREADS set
+    turns lending off whatever was asked."""
+    from shmcache.models.demo_model import build_model_dir
+    from workers.supervisor import worker_procs
+    model = build_model_dir(tmp_path / "m", "llama")
+    monkeypatch.delenv("SHMCACHE_BLAS_THREADS", raising=False)
+    monkeypatch.setattr(worker_procs, "cpus_available", lambda: 16)
+    assert backend_mod.WorkerBackend(model, workers=8).lend_cores is True
+    assert backend_mod.WorkerBackend(model, workers=8, lend_cores=False).lend_cores is False
+    monkeypatch.setattr(worker_procs, "cpus_available", lambda: 2)
+    assert backend_mod.WorkerBackend(model, workers=2).lend_cores is False
+    assert backend_mod.WorkerBackend(model, workers=2, lend_cores=True).lend_cores is True
+    monkeypatch.setenv("SHMCACHE_BLAS_THREADS", "2")
+    assert backend_mod.WorkerBackend(model, workers=2, lend_cores=True).lend_cores is False

@@ -183,14 +183,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with handoff: a decoding worker takes new requests until it decodes "
                         "N samples before an idle worker starts decoding (a CPU decode step "
                         "costs about the same for 1 row or 4; default: %(default)s)")
-    p.add_argument("--lend-cores", action="store_true",
-                   help="let the decoding workers run BLAS on the cores of the idle workers "
+    p.add_argument("--lend-cores", action=argparse.BooleanOptionalAction, default=None,
+                   help="let the decoding workers (else the busy ones) run BLAS on the cores of "
+                        "the idle workers "
                         "(their share of the CPUs, which they leave unused), given back "
-                        "before an idle worker computes; off by default: it raised "
-                        "throughput up to 1.13x with every chat session in flight, but "
-                        "lengthened TTFT and inter-token gaps on 2 cores "
-                        "(docs/decisions/0015-lend-idle-cores.md); ignored when "
-                        "$SHMCACHE_BLAS_THREADS is set")
+                        "before an idle worker computes (default: on where the workers have 2 "
+                        "CPUs or more each, else off: on 16 cores with 8 workers it raised "
+                        "throughput 1.05-1.38x, on 2 cores with 2 it lengthened TTFT and "
+                        "inter-token gaps; docs/decisions/0015-lend-idle-cores.md); ignored "
+                        "when $SHMCACHE_BLAS_THREADS is set")
     p.add_argument("--pool-name", metavar="NAME", type=_pool_name, default=None,
                    help="the pool's name in /dev/shm (default: serve-<pid>; give each server "
                         "its own when containers share /dev/shm with --ipc=host)")

@@ -73,7 +73,7 @@ import msgspec
 from .. import wire
 from ..protocol import Error, SampleDone, SamplingParams, Started, Tokens
 from .worker_procs import (DEFAULT_MAX_RERUNS, DEFAULT_STALL_S, Flight, WorkerProc,
-                           WorkerProcesses, core_shares)
+                           WorkerProcesses, core_shares, lend_cores_by_default)
 
 log = logging.getLogger("shmcache.server")
 
@@ -103,6 +103,9 @@ class WorkerBackend:
         prefill_threads: the threads each worker runs a prefill's softmax
             and SiLU on (``workers/worker/prefill_threads.py``; None:
             ``prefill_threads_per_worker``).
+        lend_cores: lend the idle workers' BLAS threads to the busy ones
+            (None: ``lend_cores_by_default``; never when
+            ``$SHMCACHE_BLAS_THREADS`` is set).
         max_working_bytes: each worker's working K/V bytes (None: half the
             memory shared among the workers).
         handoff_tokens: a request with at least this many prompt tokens not
@@ -121,7 +124,7 @@ class WorkerBackend:
                  cluster_secret: Optional[str] = None, l2_timeout: Optional[float] = None,
                  l2_retry: Optional[float] = None, l2_ttl: Optional[int] = None,
                  prefill_step: int = 512, decoding_prefill_step: Optional[int] = None,
-                 prefill_threads: Optional[int] = None, lend_cores: bool = False,
+                 prefill_threads: Optional[int] = None, lend_cores: Optional[bool] = None,
                  stall_s: float = DEFAULT_STALL_S, max_reruns: int = DEFAULT_MAX_RERUNS,
                  max_working_bytes: Optional[int] = None, handoff_tokens: int = 32,
                  pack_rows: int = 4) -> None:
@@ -143,8 +146,11 @@ class WorkerBackend:
         self._tasks: set = set()           # decode dispatches after a handoff, running
         self._reclaims: dict = {}          # worker index -> its wait for its lent cores
         self.handoffs = 0                  # prefills handed over (a counter)
-        # lend idle workers' cores to busy ones (asked for, and the operator
-        # did not choose the threads)
+        # lend idle workers' cores to busy ones (asked for, or by default
+        # where each worker has 2 CPUs or more; never where the operator
+        # chose the threads)
+        if lend_cores is None:
+            lend_cores = lend_cores_by_default(workers)
         self.lend_cores = lend_cores and not os.environ.get("SHMCACHE_BLAS_THREADS", "").strip()
         self._changed = asyncio.Event()    # set (and replaced) when a flight moves on
         self.pool_name = pool_name or f"serve-{os.getpid()}"
@@ -178,6 +184,9 @@ class WorkerBackend:
 
     async def start(self) -> None:
         await self.procs.start()
+        log.info("each worker: %d BLAS thread(s), %d prefill thread(s); idle workers' cores "
+                 "%s", self.procs.workers[0].blas_threads, self.procs.prefill_threads,
+                 "lent to the busy ones" if self.lend_cores else "not lent (--lend-cores)")
 
     async def close(self) -> None:
         for task in list(self._tasks) + list(self._reclaims.values()):

@@ -85,9 +85,12 @@ def summarize_workload(workload: str, results: dict[str, list[dict]]) -> dict:
         summary[name] = {k: [min(v), max(v)] if (v := [r[k] for r in good
                                                       if r.get(k) is not None]) else None
                          for k, _, _ in metrics(workload)}
-    a = {r["round"]: r for r in results.get("a", []) if "error" not in r}
+    # the ratios' reference: (a), else the first variant of it (a-NAME) run
+    ref = next((n for n in results if n == "a"), next((n for n in results
+                                                       if n.startswith("a-")), None))
+    a = {r["round"]: r for r in results.get(ref, []) if "error" not in r} if ref else {}
     for name, rounds in results.items():
-        if name == "a":
+        if name == ref or not a:
             continue
         per = {}
         for key, _ in ratios(workload):
@@ -102,7 +105,7 @@ def summarize_workload(workload: str, results: dict[str, list[dict]]) -> dict:
                 entry["met"] = "yes" if all(ok) else ("NO" if not any(ok) else "in some rounds")
             per[key] = entry
         rat[name] = per
-    return {"summary": summary, "ratios": rat}
+    return {"summary": summary, "ratios": rat, "reference": ref}
 
 
 def summarize(results: dict[str, dict[str, list[dict]]]) -> dict:
@@ -122,8 +125,9 @@ def report_workload(workload: str, results: dict[str, list[dict]], summ: dict,
     lines.append(_table(["config"] + [h for _, h, _ in ms] + ["ok rounds"], rows))
     if summ["ratios"]:
         lines.append("")
-        lines.append("(a) / other, paired by round (min-max over rounds), with issue 26's "
-                     "targets:")
+        ref = summ.get("reference") or "a"
+        lines.append(f"({ref}) / other, paired by round (min-max over rounds), with issue "
+                     "26's targets:")
         rrows = []
         rs = ratios(workload)
         for name, per in summ["ratios"].items():
@@ -131,7 +135,7 @@ def report_workload(workload: str, results: dict[str, list[dict]], summ: dict,
                       _span(e["rounds"], lambda v: f"{v:.2f}x")) for key, _ in rs]
             tg = [f"{dict(rs)[k]} {e['target']}: {e['met']}"
                   for k, e in per.items() if e and "target" in e]
-            rrows.append([f"a / {name}"] + cells + ["; ".join(tg)])
+            rrows.append([f"{ref} / {name}"] + cells + ["; ".join(tg)])
         lines.append(_table(["ratio"] + [h for _, h in rs] + ["target met?"], rrows))
     return "\n".join(lines)
 

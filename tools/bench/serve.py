@@ -142,8 +142,10 @@ def make_configs(workers: int, blas_path: str, sticky: str,
             for name, (env, argv) in (variants or {}).items()}
     return made | {
         "a": shmcache("a", f"shmcache serve --workers {workers} (OpenBLAS bound by shmcache, "
-                      f"its default: {share} thread(s) per worker)"),
-        # the same with --lend-cores: what lending idle workers' cores gives
+                      f"its default: {share} thread(s) per worker, idle workers' cores lent "
+                      "where each has 2 CPUs or more)"),
+        # the same with --lend-cores: lending where the default does not
+        # (2 cores); on 16 cores with 8 workers it is (a)
         "a-lend": shmcache("a-lend", "a with --lend-cores (idle workers' cores lent to busy "
                            "ones)", "--lend-cores"),
         # a prefill's softmax and SiLU on 1 thread (as mlx-lm runs them), or 4
@@ -402,9 +404,10 @@ def parse_args(argv) -> argparse.Namespace:
         if not eq or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
             ap.error(f"--variant {v!r}: want NAME=ARGS, NAME of letters, digits, _ . -")
         words = shlex.split(rest)
-        env = dict(w.split("=", 1) for w in itertools.takewhile(
+        lead = list(itertools.takewhile(
             lambda w: re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", w) is not None, words))
-        args.variants["a-" + name] = (env, tuple(words[len(env):]))
+        args.variants["a-" + name] = (dict(w.split("=", 1) for w in lead),
+                                      tuple(words[len(lead):]))
     args.configs = _csv(args.configs)
     if args.llama_cpp and "llama" not in args.configs:
         args.configs.append("llama")

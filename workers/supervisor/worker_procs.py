@@ -161,8 +161,7 @@ def prefill_threads_per_worker(workers: int) -> int:
     8 threads gave 1.11-1.14x the throughput of 1; on 2 cores with 2 they
     took the core the other worker decodes on (inter-token p99 1.8-2.6x,
     throughput 0.98-1.08x; decision 0021)."""
-    cpus = cpus_available()
-    return min(PREFILL_THREADS_MAX, cpus) if cpus >= 2 * max(1, workers) else 1
+    return min(PREFILL_THREADS_MAX, cpus_available()) if two_cpus_a_worker(workers) else 1
 
 
 def lend_cores_by_default(workers: int) -> bool:
@@ -173,6 +172,12 @@ def lend_cores_by_default(workers: int) -> bool:
     product, it gave 1.06-1.38x the throughput with every chat session in
     flight and 1.05-1.07x on the 24-layer model; on 2 cores with 2 workers
     it lengthened TTFT and the pauses in replies (decision 0015)."""
+    return two_cpus_a_worker(workers)
+
+
+def two_cpus_a_worker(workers: int) -> bool:
+    """Whether each of ``workers`` processes has 2 or more of this
+    process's CPUs: the rule of the defaults above."""
     return cpus_available() >= 2 * max(1, workers)
 
 

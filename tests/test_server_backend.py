@@ -244,10 +244,7 @@ def test_idle_workers_lend_their_cores_to_the_busy_one(model_dir, reference):
         share = max(1, cpus // 2)
 
         def threads_become(want):
-            deadline = time.monotonic() + 30
-            while sorted(_blas_threads(srv.get("/metrics").text).values()) != want:
-                assert time.monotonic() < deadline, srv.get("/metrics").text
-                time.sleep(0.05)
+            _threads_become(srv, want)
 
         threads_become([share, share])
         prompt = printable(random.Random(5), 120)
@@ -264,6 +261,57 @@ def test_idle_workers_lend_their_cores_to_the_busy_one(model_dir, reference):
         r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24,
                                       temperature=0)
         assert got(r) == reference.greedy(prompt, 24)
+
+
+def _threads_become(srv, want: list, timeout: float = 30) -> None:
+    """Wait until /metrics shows the workers' BLAS threads, sorted, as ``want``."""
+    deadline = time.monotonic() + timeout
+    while sorted(_blas_threads(srv.get("/metrics").text).values()) != want:
+        assert time.monotonic() < deadline, srv.get("/metrics").text
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(300)
+def test_a_borrower_killed_while_it_runs_lent_cores_loses_nothing(model_dir, reference):
+    """--lend-cores (on by default where each worker has 2 CPUs or more): the
+    worker running a request on the idle worker's cores too is killed
+    mid-reply. The reply is re-run on the other worker and the client gets
+    the reference's whole answer; the replacement starts with its own
+    share, and once idle every worker is back to its share, so no core
+    stays lent to a dead worker. The next request is answered right."""
+    cpus = len(os.sched_getaffinity(0))
+    if cpus < 2:
+        pytest.skip(f"{cpus} CPU: nothing to lend")
+    with serving(model_dir, "--workers", 2, "--max-blocks", 256, "--lend-cores") as srv:
+        client = srv.client()
+        share = max(1, cpus // 2)
+        _threads_become(srv, [share, share])
+        prompt = printable(random.Random(15), 90)
+        ref = reference.greedy(prompt, 200)
+        parts: list = []
+        killed = None
+        for chunk in client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=200,
+                                               temperature=0, stream=True):
+            parts.extend(c.text for c in chunk.choices)
+            if killed is None and len("".join(parts)) >= 10:
+                threads = _blas_threads(srv.get("/metrics").text)
+                borrower = max(threads, key=threads.get)
+                assert threads[borrower] == cpus, threads        # it runs the lent cores
+                killed = srv.worker_procs()[borrower]
+                killed.send_signal(signal.SIGKILL)
+        assert killed is not None
+        assert "".join(parts) == ref.text
+        deadline = time.monotonic() + STARTUP_S
+        while srv.get("/health").json()["workers_alive"] < 2:
+            assert time.monotonic() < deadline, "the killed worker was not restarted"
+            time.sleep(0.2)
+        assert killed.pid not in [p.pid for p in srv.worker_procs()]
+        _threads_become(srv, [share, share])
+        after = printable(random.Random(16), 40)
+        r = client.completions.create(model=MODEL_NAME, prompt=after, max_tokens=16,
+                                      temperature=0)
+        assert got(r) == reference.greedy(after, 16)
+        assert srv.wait_idle()["cached"] > 0
 
 
 def _steps(path) -> list:

@@ -184,7 +184,8 @@ class WorkerBackend:
 
     async def start(self) -> None:
         await self.procs.start()
-        lent = ("lent to the busy ones" if self.lend_cores else
+        lent = ("none: one worker" if self.n_workers == 1 else
+                "lent to the busy ones" if self.lend_cores else
                 "not lent ($SHMCACHE_BLAS_THREADS is set)"
                 if os.environ.get("SHMCACHE_BLAS_THREADS", "").strip() else
                 "not lent (--lend-cores lends them)")

@@ -184,12 +184,12 @@ class WorkerBackend:
 
     async def start(self) -> None:
         await self.procs.start()
-        lent = ("none: one worker" if self.n_workers == 1 else
+        lent = ("none (one worker)" if self.n_workers == 1 else
                 "lent to the busy ones" if self.lend_cores else
                 "not lent ($SHMCACHE_BLAS_THREADS is set)"
                 if os.environ.get("SHMCACHE_BLAS_THREADS", "").strip() else
                 "not lent (--lend-cores lends them)")
-        log.info("each worker: %d BLAS thread(s), %d prefill thread(s); idle workers' cores "
+        log.info("each worker: %d BLAS thread(s), %d prefill thread(s); idle workers' cores: "
                  "%s", self.procs.workers[0].blas_threads, self.procs.prefill_threads, lent)
 
     async def close(self) -> None:

@@ -92,3 +92,33 @@ def test_bench_serve_sigterm_stops_servers():
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_a_variant_is_a_with_its_flags_and_environment():
+    """--variant NAME=ARGS (parsing only; no server): the leading VAR=VALUE
+    words go to the server's environment, the rest to its command line, and
+    a-NAME becomes a configuration --only accepts; a bad name or an unknown
+    configuration is an argument error (exit 2)."""
+    from tools.bench import serve
+    args = serve.parse_args(["--only", "a,a-p8", "--variant",
+                             "p8=OPENBLAS_THREAD_TIMEOUT=9 --pack-rows 8"])
+    cfg = serve.make_configs(2, "/lib/blas.so", "balanced", args.variants)["a-p8"]
+    assert cfg.kind == "shmcache"
+    assert cfg.env == {"SHMCACHE_BLAS": "/lib/blas.so", "OPENBLAS_THREAD_TIMEOUT": "9"}
+    assert serve.server_argv(cfg, "m", 1, args)[-2:] == ["--pack-rows", "8"]
+    for bad in (["--variant", "bad name=--pack-rows 8"], ["--only", "a-nope"]):
+        with pytest.raises(SystemExit) as e:
+            serve.parse_args(bad)
+        assert e.value.code == 2, bad
+
+
+def test_the_ratios_are_against_the_first_variant_when_a_did_not_run():
+    """serve_report over hand-made rounds (no server): without (a), the
+    first a-NAME run is the reference of the paired ratios."""
+    from tools.bench import serve_report
+    runs = {"a-x": [{"round": 1, "throughput": 30.0}, {"round": 2, "throughput": 33.0}],
+            "c": [{"round": 1, "throughput": 20.0}, {"round": 2, "throughput": 22.0}]}
+    summ = serve_report.summarize_workload("chat", runs)
+    assert summ["reference"] == "a-x"
+    assert summ["ratios"]["c"]["throughput"]["rounds"] == [1.5, 1.5]
+    assert "a-x / c" in serve_report.report_workload("chat", runs, summ, "two rounds")

@@ -189,8 +189,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(their share of the CPUs, which they leave unused), given back "
                         "before an idle worker computes (default: on where the workers have 2 "
                         "CPUs or more each, else off: on 16 cores with 8 workers it raised "
-                        "throughput 1.05-1.38x, on 2 cores with 2 it lengthened TTFT and "
-                        "inter-token gaps; docs/decisions/0015-lend-idle-cores.md); ignored "
+                        "throughput 1.05-1.38x; on 2 cores with 2, 1.05-1.15x, but later chat "
+                        "turns waited 1.2-1.6x as long for their first token; "
+                        "docs/decisions/0015-lend-idle-cores.md); ignored "
                         "when $SHMCACHE_BLAS_THREADS is set")
     p.add_argument("--pool-name", metavar="NAME", type=_pool_name, default=None,
                    help="the pool's name in /dev/shm (default: serve-<pid>; give each server "

@@ -171,7 +171,8 @@ def lend_cores_by_default(workers: int) -> bool:
     workers, with the workers' OpenBLAS threads sleeping at once after a
     product, it gave 1.06-1.38x the throughput with every chat session in
     flight and 1.05-1.07x on the 24-layer model; on 2 cores with 2 workers
-    it lengthened TTFT and the pauses in replies (decision 0015)."""
+    1.05-1.15x, but later chat turns waited 1.2-1.6x as long for their first
+    token (decision 0015)."""
     return two_cpus_a_worker(workers)
 
 

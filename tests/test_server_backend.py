@@ -10,6 +10,7 @@ says how, and how it is checked and stopped).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -236,17 +237,8 @@ def test_idle_workers_lend_their_cores_to_the_busy_one(model_dir, reference):
     worker itself reports the thread count its BLAS runs, before the step
     that runs them, and /metrics shows it; idle again, it gives the lent
     cores back. The tokens are the same as with one thread."""
-    cpus = len(os.sched_getaffinity(0))
-    if cpus < 2:
-        pytest.skip(f"{cpus} CPU: nothing to lend")
-    with serving(model_dir, "--workers", 2, "--max-blocks", 256, "--lend-cores") as srv:
+    with _lending(model_dir) as (srv, cpus, share):
         client = srv.client()
-        share = max(1, cpus // 2)
-
-        def threads_become(want):
-            _threads_become(srv, want)
-
-        threads_become([share, share])
         prompt = printable(random.Random(5), 120)
         parts = []
         for chunk in client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=300,
@@ -257,10 +249,23 @@ def test_idle_workers_lend_their_cores_to_the_busy_one(model_dir, reference):
                     [share, cpus], srv.get("/metrics").text
             parts.extend(c.text for c in chunk.choices)
         assert "".join(parts) == reference.greedy(prompt, 300).text
-        threads_become([share, share])          # idle: the lent cores given back
+        _threads_become(srv, [share, share])    # idle: the lent cores given back
         r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24,
                                       temperature=0)
         assert got(r) == reference.greedy(prompt, 24)
+
+
+@contextlib.contextmanager
+def _lending(model_dir):
+    """A server of 2 workers with --lend-cores, once both report their own
+    share of the CPUs: yields (server, CPUs, share). Skips with one CPU."""
+    cpus = len(os.sched_getaffinity(0))
+    if cpus < 2:
+        pytest.skip(f"{cpus} CPU: nothing to lend")
+    share = max(1, cpus // 2)
+    with serving(model_dir, "--workers", 2, "--max-blocks", 256, "--lend-cores") as srv:
+        _threads_become(srv, [share, share])
+        yield srv, cpus, share
 
 
 def _threads_become(srv, want: list, timeout: float = 30) -> None:
@@ -279,13 +284,8 @@ def test_a_borrower_killed_while_it_runs_lent_cores_loses_nothing(model_dir, ref
     the reference's whole answer; the replacement starts with its own
     share, and once idle every worker is back to its share, so no core
     stays lent to a dead worker. The next request is answered right."""
-    cpus = len(os.sched_getaffinity(0))
-    if cpus < 2:
-        pytest.skip(f"{cpus} CPU: nothing to lend")
-    with serving(model_dir, "--workers", 2, "--max-blocks", 256, "--lend-cores") as srv:
+    with _lending(model_dir) as (srv, cpus, share):
         client = srv.client()
-        share = max(1, cpus // 2)
-        _threads_become(srv, [share, share])
         prompt = printable(random.Random(15), 90)
         ref = reference.greedy(prompt, 200)
         parts: list = []

@@ -86,8 +86,7 @@ def summarize_workload(workload: str, results: dict[str, list[dict]]) -> dict:
                                                       if r.get(k) is not None]) else None
                          for k, _, _ in metrics(workload)}
     # the ratios' reference: (a), else the first variant of it (a-NAME) run
-    ref = next((n for n in results if n == "a"), next((n for n in results
-                                                       if n.startswith("a-")), None))
+    ref = "a" if "a" in results else next((n for n in results if n.startswith("a-")), None)
     a = {r["round"]: r for r in results.get(ref, []) if "error" not in r} if ref else {}
     for name, rounds in results.items():
         if name == ref or not a:

@@ -1,7 +1,7 @@
 """``python -m tools.bench.decode_scaling`` (a benchmark tool: tiny settings on
-the demo model check that it starts the processes of each config together
-and prints their figures, not the performance), and its one-line refusal of
-bad --configs."""
+the demo model check that it starts the processes of each config together,
+with --busy prefilling ones beside them and --pin's cores, and prints their
+figures, not the performance), and its one-line refusals of bad flags."""
 
 from __future__ import annotations
 
@@ -29,6 +29,34 @@ def test_decode_scaling_prints_a_line_per_config():
     # one process of one row: its decode tokens/s is one token per step
     step, decode = float(rows[0][1]), float(rows[0][2])
     assert abs(decode * step / 1000 - 1) < 0.02, rows[0]
+
+
+@pytest.mark.timeout(180)
+def test_busy_prefills_beside_the_decode_steps_on_cores_of_their_own():
+    # --pin makes the tool check that every child ran on the cores it was
+    # given (it fails otherwise); with one CPU, only the decoding process fits
+    pin = (os.cpu_count() or 1) >= 2
+    r = subprocess.run([sys.executable, "-m", "tools.bench.decode_scaling", "--model", "demo",
+                        "--configs", "1x1x1", "--context", "32", "--steps", "6", "--prefill",
+                        "16"] + (["--busy", "1x1x2", "--pin"] if pin else ["--busy", "1x1x2"]),
+                       cwd=ROOT, capture_output=True, text=True, timeout=170)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "busy prefill tok/s" in r.stdout
+    row = next(ln.split("|") for ln in r.stdout.splitlines()
+               if ln.strip().startswith("1x1x1"))
+    assert len(row) == 6 and float(row[5]) > 0, r.stdout     # the busy process prefilled
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("flags, says", [
+    (["--busy", "2x2"], "--busy '2x2'"),
+    (["--configs", "4096x1x1", "--pin"], "--pin: 4096x1x1"),
+])
+def test_bad_busy_or_pin_is_one_line_and_exit_2(flags, says):
+    r = subprocess.run([sys.executable, "-m", "tools.bench.decode_scaling"] + flags,
+                       cwd=ROOT, capture_output=True, text=True, timeout=50)
+    assert r.returncode == 2 and says in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and r.stdout == ""
 
 
 @pytest.mark.timeout(60)

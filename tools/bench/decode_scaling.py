@@ -21,7 +21,8 @@ the split softmax and SiLU; 1: off), each holding --context tokens and
 computing --prefill more on top of them, again and again (the cache
 trimmed back after each). It adds their prefill tokens per second. With
 ``--pin`` every process runs on cores of its own (``sched_setaffinity``:
-a decoding process on T, a busy one on U, in order), so the two kinds
+a decoding process on T of this process's CPUs, a busy one on U, in
+order), so the two kinds
 cannot take each other's cores; the configs must then fit the machine.
 
 It answers what the serving benchmark cannot separate: is a CPU decode
@@ -47,10 +48,9 @@ import time
 
 def _pin(cores: str) -> None:
     """Run this process (and the threads it starts later) on ``cores``
-    ("" : anywhere; else "a-b", the first and last core)."""
+    ("": anywhere; else comma-separated CPU numbers)."""
     if cores:
-        first, last = (int(x) for x in cores.split("-"))
-        os.sched_setaffinity(0, range(first, last + 1))
+        os.sched_setaffinity(0, [int(c) for c in cores.split(",")])
 
 
 def child(model_dir: str, rows: int, context: int, steps: int, prefill: int,
@@ -149,12 +149,15 @@ def _products_s(model, tokens: int) -> float:
     return statistics.median(out)
 
 
-def _core_ranges(counts: list, pin: bool) -> list:
-    """Consecutive "a-b" core ranges of ``counts`` cores each ("" each
-    without ``pin``)."""
+def _core_sets(counts: list, pin: bool) -> list:
+    """For each of ``counts``, that many CPUs of this process's own, none
+    given twice, as "a,b,..." ("" each without ``pin``)."""
+    if not pin:
+        return [""] * len(counts)
+    cpus = sorted(os.sched_getaffinity(0))
     out, at = [], 0
     for n in counts:
-        out.append(f"{at}-{at + n - 1}" if pin else "")
+        out.append(",".join(str(c) for c in cpus[at:at + n]))
         at += n
     return out
 
@@ -175,7 +178,7 @@ def _send(ps: list, word: str) -> None:
 def run_config(model_dir: str, procs: int, threads: int, rows: int, args) -> dict:
     busy = args.busy_config
     n_busy, busy_threads, busy_split = busy if busy else (0, 0, 0)
-    cores = _core_ranges([threads] * procs + [busy_threads] * n_busy, args.pin)
+    cores = _core_sets([threads] * procs + [busy_threads] * n_busy, args.pin)
     env = dict(os.environ, SHMCACHE_BLAS_THREADS=str(threads))
     me = [sys.executable, "-m", "tools.bench.decode_scaling"]
     ps = [subprocess.Popen(me + ["--child", model_dir, str(rows), str(args.context),
@@ -204,9 +207,8 @@ def run_config(model_dir: str, procs: int, threads: int, rows: int, args) -> dic
             p.wait()
     if args.pin:                         # each ran where it was put
         for r, want in zip(res + busy_res, cores):
-            first, last = (int(x) for x in want.split("-"))
-            if r["cores"] != list(range(first, last + 1)):
-                raise RuntimeError(f"a child ran on cores {r['cores']}, not {want}")
+            if r["cores"] != [int(c) for c in want.split(",")]:
+                raise RuntimeError(f"a child ran on CPUs {r['cores']}, not {want}")
     step = statistics.median(r["step"] for r in res)
     return {"config": f"{procs}x{threads}x{rows}", "step_ms": step * 1000,
             "decode_tok_s": sum(rows / r["step"] for r in res),

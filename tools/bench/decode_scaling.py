@@ -20,10 +20,10 @@ BLAS threads and S prefill threads (``workers/worker/prefill_threads.py``,
 the split softmax and SiLU; 1: off), each holding --context tokens and
 computing --prefill more on top of them, again and again (the cache
 trimmed back after each). It adds their prefill tokens per second. With
-``--pin`` every process runs on cores of its own (``sched_setaffinity``:
-a decoding process on T of this process's CPUs, a busy one on U, in
-order), so the two kinds
-cannot take each other's cores; the configs must then fit the machine.
+``--pin`` every process runs on CPUs of its own (``sched_setaffinity``: a
+decoding process on T of this process's CPUs, a busy one on U, in order),
+so the two kinds cannot take each other's cores; the configs must then
+fit the machine.
 
 It answers what the serving benchmark cannot separate: is a CPU decode
 step bound by the memory bus of the whole machine (then fewer, fuller

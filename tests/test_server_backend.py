@@ -445,6 +445,60 @@ def test_an_empty_blas_threads_setting_starts_workers_with_their_share(model_dir
         assert got(r) == reference.greedy(prompt, 4)
 
 
+def test_pinned_cpus_give_each_worker_its_share_in_order(monkeypatch):
+    """``pinned_cpus``: this process's CPUs (not CPU numbers from 0: a cpuset
+    may allow others) cut into equal shares in order, the rest unused; None
+    where the workers outnumber the CPUs."""
+    from workers.supervisor import worker_procs
+    monkeypatch.setattr(worker_procs.os, "sched_getaffinity", lambda pid: {9, 3, 4, 5, 7})
+    assert worker_procs.pinned_cpus(2) == [[3, 4], [5, 7]]
+    assert worker_procs.pinned_cpus(5) == [[3], [4], [5], [7], [9]]
+    assert worker_procs.pinned_cpus(6) is None
+
+
+def _cpus_of(p) -> dict:
+    """``{worker id: [its threads' CPU sets]}``, from /proc (every thread)."""
+    idx = int(p.cmdline()[p.cmdline().index("--id") + 1])
+    return {idx: sorted({tuple(os.sched_getaffinity(t.id)) for t in p.threads()})}
+
+
+@pytest.mark.timeout(300)
+def test_pinned_workers_run_on_cpus_of_their_own_and_a_replacement_on_the_same(
+        model_dir, reference):
+    """--pin-cores: every thread of each worker (BLAS, MLX, prefill) runs on
+    that worker's share of the CPUs, none shared; no core is lent; a killed
+    worker's replacement runs on the same CPUs, and the answers are the
+    reference's."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip(f"{len(cpus)} CPU: nothing to pin apart")
+    share = len(cpus) // 2
+    want = {0: [tuple(cpus[:share])], 1: [tuple(cpus[share:2 * share])]}
+    with serving(model_dir, "--workers", 2, "--max-blocks", 64, "--pin-cores") as srv:
+        assert re.search(rf"on {share} CPU\(s\) of its own \(--pin-cores\); idle workers' "
+                         r"cores: not lent \(--pin-cores\)", srv.log()), srv.log()
+        client = srv.client()
+        prompt = printable(random.Random(21), 30)
+        r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8,
+                                      temperature=0)
+        assert got(r) == reference.greedy(prompt, 8)
+        w0, w1 = srv.worker_procs()
+        assert {**_cpus_of(w0), **_cpus_of(w1)} == want
+        _threads_become(srv, [share, share])        # its own share each: none lent
+
+        w1.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + STARTUP_S
+        while srv.get("/health").json()["workers_alive"] < 2 or \
+                any(p.pid == w1.pid for p in srv.worker_procs()):
+            assert time.monotonic() < deadline, "worker 1 was not restarted"
+            time.sleep(0.2)
+        new = [p for p in srv.worker_procs() if p.pid != w0.pid]
+        assert len(new) == 1 and _cpus_of(new[0]) == {1: want[1]}
+        r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8,
+                                      temperature=0)
+        assert got(r) == reference.greedy(prompt, 8)
+
+
 def _running(text: str) -> dict:
     return {int(m.group(1)): float(m.group(2)) for m in re.finditer(
         r'^shmcache_worker_requests_running\{worker="(\d+)"\} ([0-9.]+)$', text, re.M)}

@@ -22,6 +22,11 @@ from .protocol import SamplingParams, TokenLogprob
 #: L2 cluster secret (hex), not on its command line
 L2_SECRET_ENV = "SHMCACHE_L2_SECRET"
 
+#: the environment variable through which the supervisor gives a worker the
+#: CPUs it runs on with ``--pin-cores`` ("3,4"): the worker applies it before
+#: it loads the BLAS, so every thread it starts inherits it
+WORKER_CPUS_ENV = "SHMCACHE_WORKER_CPUS"
+
 
 # ------------------------------------------------------------- to a worker
 class Gen(msgspec.Struct, tag="gen"):

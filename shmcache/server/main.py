@@ -193,6 +193,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "turns waited 1.2-1.6x as long for their first token; "
                         "docs/decisions/0015-lend-idle-cores.md); ignored "
                         "when $SHMCACHE_BLAS_THREADS is set")
+    p.add_argument("--pin-cores", action="store_true",
+                   help="run each worker on CPUs of its own, its share of them, as separate "
+                        "servers pinned with taskset would: its BLAS and prefill threads never "
+                        "take another worker's cores, and idle workers' cores are not lent "
+                        "(default: off; not yet measured against the default on 16 cores)")
     p.add_argument("--pool-name", metavar="NAME", type=_pool_name, default=None,
                    help="the pool's name in /dev/shm (default: serve-<pid>; give each server "
                         "its own when containers share /dev/shm with --ipc=host)")
@@ -359,6 +364,7 @@ def _run(args, sock) -> int:
                                     lend_cores=args.lend_cores,
                                     handoff_tokens=args.handoff_tokens,
                                     pack_rows=args.pack_rows,
+                                    pin_cores=args.pin_cores,
                                     stall_s=args.worker_timeout,
                                     max_working_bytes=args.max_working_bytes,
                                     max_reruns=max(0, args.max_reruns))

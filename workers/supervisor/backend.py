@@ -113,6 +113,8 @@ class WorkerBackend:
             handed over (0: never; never with one worker).
         pack_rows: with handoff, a decoding worker takes new requests until
             it runs this many samples, before an idle worker starts decoding.
+        pin_cores: each worker runs on CPUs of its own, its share, BLAS and
+            prefill threads too (``pinned_cpus``); no cores are lent then.
 
     ``startup_cancelled`` (a callable, set after construction) is polled
     while the workers load the model: True stops ``start``.
@@ -127,7 +129,7 @@ class WorkerBackend:
                  prefill_threads: Optional[int] = None, lend_cores: Optional[bool] = None,
                  stall_s: float = DEFAULT_STALL_S, max_reruns: int = DEFAULT_MAX_RERUNS,
                  max_working_bytes: Optional[int] = None, handoff_tokens: int = 32,
-                 pack_rows: int = 4) -> None:
+                 pack_rows: int = 4, pin_cores: bool = False) -> None:
         from mlx_lm.utils import load_tokenizer
         self.path = Path(model)
         if not (self.path / "config.json").is_file():
@@ -169,7 +171,9 @@ class WorkerBackend:
             startup_cancelled=lambda: self.startup_cancelled(),
             l2_url=l2, cluster_secret=cluster_secret.encode() if cluster_secret else None,
             l2_timeout=l2_timeout, l2_retry=l2_retry, l2_ttl=l2_ttl, stall_s=stall_s,
-            max_reruns=max_reruns, max_working_bytes=max_working_bytes)
+            max_reruns=max_reruns, max_working_bytes=max_working_bytes, pin_cores=pin_cores)
+        if self.procs.worker_cpus is not None:
+            self.lend_cores = False     # a worker's threads cannot reach another's CPUs
 
     # -------------------------------------------------------------- the processes'
     @property
@@ -184,13 +188,16 @@ class WorkerBackend:
 
     async def start(self) -> None:
         await self.procs.start()
+        cpus = self.procs.worker_cpus
         lent = ("none (one worker)" if self.n_workers == 1 else
                 "lent to the busy ones" if self.lend_cores else
+                "not lent (--pin-cores)" if cpus is not None else
                 "not lent ($SHMCACHE_BLAS_THREADS is set)"
                 if os.environ.get("SHMCACHE_BLAS_THREADS", "").strip() else
                 "not lent (--lend-cores lends them)")
-        log.info("each worker: %d BLAS thread(s), %d prefill thread(s); idle workers' cores: "
-                 "%s", self.procs.workers[0].blas_threads, self.procs.prefill_threads, lent)
+        log.info("each worker: %d BLAS thread(s), %d prefill thread(s)%s; idle workers' cores: "
+                 "%s", self.procs.workers[0].blas_threads, self.procs.prefill_threads,
+                 f", on {len(cpus[0])} CPU(s) of its own (--pin-cores)" if cpus else "", lent)
 
     async def close(self) -> None:
         for task in list(self._tasks) + list(self._reclaims.values()):

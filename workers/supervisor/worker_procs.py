@@ -182,6 +182,17 @@ def two_cpus_a_worker(workers: int) -> bool:
     return cpus_available() >= 2 * max(1, workers)
 
 
+def pinned_cpus(workers: int) -> Optional[list]:
+    """``--pin-cores``: for each of ``workers`` processes, CPUs of its own,
+    its share (this process's CPUs divided among them, in order); None where
+    the workers outnumber the CPUs."""
+    cpus = sorted(os.sched_getaffinity(0))
+    each = len(cpus) // max(1, workers)
+    if each < 1:
+        return None
+    return [cpus[i * each:(i + 1) * each] for i in range(workers)]
+
+
 def cpus_available() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -346,7 +357,7 @@ class WorkerProcesses:
                  l2_timeout: Optional[float] = None, l2_retry: Optional[float] = None,
                  l2_ttl: Optional[int] = None, stall_s: float = DEFAULT_STALL_S,
                  max_reruns: int = DEFAULT_MAX_RERUNS,
-                 max_working_bytes: Optional[int] = None) -> None:
+                 max_working_bytes: Optional[int] = None, pin_cores: bool = False) -> None:
         self.path = path
         self.n_workers = n_workers
         self.block_size = block_size
@@ -367,6 +378,11 @@ class WorkerProcesses:
         self.max_working_bytes = max_working_bytes
         self.cpus = cpus_available()
         self.blas_share = blas_threads_per_worker(n_workers)   # each worker's own BLAS threads
+        # --pin-cores: the CPUs each worker (by index) runs on (None: anywhere)
+        self.worker_cpus = pinned_cpus(n_workers) if pin_cores else None
+        if pin_cores and self.worker_cpus is None:
+            log.warning("--pin-cores: %d workers outnumber the %d CPUs this process may use; "
+                        "the workers are not pinned", n_workers, self.cpus)
         self.mgr: Optional[PagedCacheManager] = None   # the pool, from prepare() to close()
         self.layout: Optional[dict] = None             # its layout, as pool_layout read it
         self.context_length: Optional[int] = None      # the model's, from its config (None: unknown)
@@ -490,6 +506,9 @@ class WorkerProcesses:
         if not env.get(BLAS_SPIN_ENV, "").strip():
             env[BLAS_SPIN_ENV] = BLAS_SPIN
         w.blas_threads_running = 0                 # (until the new process reports)
+        env.pop(wire.WORKER_CPUS_ENV, None)
+        if self.worker_cpus is not None:           # a replacement gets the same CPUs
+            env[wire.WORKER_CPUS_ENV] = ",".join(str(c) for c in self.worker_cpus[w.idx])
         extra: list[str] = []
         if self.l2_url:
             if self.l2_secret is not None:

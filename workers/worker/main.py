@@ -23,11 +23,24 @@ import sys
 import threading
 import time
 
-import shmcache  # first: binds the fast BLAS before mlx loads
-import shmcache.system.blas
+from ..wire import WORKER_CPUS_ENV  # (msgspec only: no BLAS, no mlx)
 
-from .. import wire
-from ..wire import L2_SECRET_ENV
+
+def _pin() -> None:
+    """With ``--pin-cores``, run on the CPUs the supervisor gave: first,
+    before the BLAS and MLX start their threads, which inherit them."""
+    cpus = os.environ.get(WORKER_CPUS_ENV, "").strip()
+    if cpus:
+        os.sched_setaffinity(0, [int(c) for c in cpus.split(",")])
+
+
+_pin()
+
+import shmcache  # noqa: E402  (first after _pin: binds the fast BLAS before mlx loads)
+import shmcache.system.blas  # noqa: E402
+
+from .. import wire  # noqa: E402
+from ..wire import L2_SECRET_ENV  # noqa: E402
 
 
 def _reader(q: queue.Queue) -> None:

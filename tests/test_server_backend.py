@@ -484,7 +484,7 @@ def test_pinned_workers_run_on_cpus_of_their_own_and_a_replacement_on_the_same(
         assert got(r) == reference.greedy(prompt, 8)
         w0, w1 = srv.worker_procs()
         assert {**_cpus_of(w0), **_cpus_of(w1)} == want
-        _threads_become(srv, [share, share])        # its own share each: none lent
+        _threads_become(srv, [share, share])        # its share of BLAS threads each
 
         w1.send_signal(signal.SIGKILL)
         deadline = time.monotonic() + STARTUP_S

@@ -66,9 +66,7 @@ def child(model_dir: str, rows: int, context: int, steps: int, prefill: int,
     mx.random.seed(os.getpid())
     caches = [BatchKVCache([0] * rows) for _ in model.layers]
     toks = mx.random.randint(0, vocab, (rows, context))            # (B, T)
-    for s in range(0, context, 512):
-        model(toks[:, s:s + 512], cache=caches)
-        mx.eval([a for c in caches for a in (c.keys, c.values)])
+    _fill(model, caches, toks)
     y = toks[:, -1:]
     print("ready", flush=True)
     sys.stdin.readline()                 # every process starts together
@@ -93,6 +91,14 @@ def child(model_dir: str, rows: int, context: int, steps: int, prefill: int,
                       "cores": sorted(os.sched_getaffinity(0))}), flush=True)
 
 
+def _fill(model, cache: list, toks) -> None:
+    """Computes ``toks`` (B, T) into ``cache``, 512 tokens a step."""
+    import mlx.core as mx
+    for s in range(0, toks.shape[1], 512):
+        model(toks[:, s:s + 512], cache=cache)
+        mx.eval([a for c in cache for a in (c.keys, c.values)])
+
+
 def busy_child(model_dir: str, context: int, prefill: int, split_threads: int,
                cores: str = "") -> None:
     """A prefilling process for ``--busy``: ready, then on "go" prefills
@@ -113,9 +119,7 @@ def busy_child(model_dir: str, context: int, prefill: int, split_threads: int,
     vocab = model.args.vocab_size
     mx.random.seed(os.getpid())
     cache = make_prompt_cache(model)
-    for s in range(0, context, 512):
-        model(mx.random.randint(0, vocab, (1, min(512, context - s))), cache=cache)
-    mx.eval([a for c in cache for a in (c.keys, c.values)])
+    _fill(model, cache, mx.random.randint(0, vocab, (1, context)))    # (1, T)
     p = mx.random.randint(0, vocab, (1, prefill))
     print("ready", flush=True)
     sys.stdin.readline()
@@ -261,11 +265,12 @@ def main(argv=None) -> int:
                   file=sys.stderr)
             return 2
     if args.pin:
+        from workers.supervisor.worker_procs import cpus_available
         extra = args.busy_config[0] * args.busy_config[1] if args.busy_config else 0
-        over = [f"{p}x{t}x{b}" for p, t, b in configs if p * t + extra > _cpus()]
+        over = [f"{p}x{t}x{b}" for p, t, b in configs if p * t + extra > cpus_available()]
         if over:
             print(f"decode_scaling: --pin: {', '.join(over)} (with --busy) need more than this "
-                  f"machine's {_cpus()} CPUs", file=sys.stderr)
+                  f"machine's {cpus_available()} CPUs", file=sys.stderr)
             return 2
     if args.steps < 3:
         print(f"decode_scaling: --steps {args.steps}: at least 3 (the first two are warm-up)",
@@ -287,13 +292,6 @@ def main(argv=None) -> int:
                   f"{out['prefill_tok_s']:13.1f} | {out['prefill_blas_pct']:17.0f}{busy}",
                   flush=True)
     return 0
-
-
-def _cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 if __name__ == "__main__":

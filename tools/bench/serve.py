@@ -137,10 +137,7 @@ def make_configs(workers: int, blas_path: str, sticky: str,
                       env={"SHMCACHE_BLAS": blas_path, **(env or {})},
                       env_unset=_BLAS_ENV, serve_args=serve_args)
 
-    made = {name: shmcache(name, "a with " + shlex.join(
-                [f"{k}={v}" for k, v in env.items()] + list(argv)), *argv, env=env)
-            for name, (env, argv) in (variants or {}).items()}
-    return made | {
+    built_in = {
         "a": shmcache("a", f"shmcache serve --workers {workers} (OpenBLAS bound by shmcache, "
                       f"its default: {share} thread(s) per worker, idle workers' cores lent "
                       "where each has 2 CPUs or more)"),
@@ -167,6 +164,11 @@ def make_configs(workers: int, blas_path: str, sticky: str,
         "llama": Config("llama", f"llama_cpp.server on the GGUF, {cores} threads, requests "
                         "queued (not interrupted)", "llama", 1, 1, env_unset=_BLAS_ENV),
     }
+    variants_made = {name: shmcache(name, "a with " + shlex.join(
+                         [f"{k}={v}" for k, v in env.items()] + list(argv)), *argv, env=env)
+                     for name, (env, argv) in (variants or {}).items()}
+    # a variant named like a built-in configuration (a-lend) is the variant
+    return built_in | variants_made
 
 
 def server_argv(cfg: Config, model: str, port: int, args) -> list[str]:

@@ -153,7 +153,8 @@ class WorkerBackend:
         # chose the threads)
         if lend_cores is None:
             lend_cores = lend_cores_by_default(workers)
-        self.lend_cores = lend_cores and not os.environ.get("SHMCACHE_BLAS_THREADS", "").strip()
+        blas_chosen = bool(os.environ.get("SHMCACHE_BLAS_THREADS", "").strip())
+        self.lend_cores = lend_cores and not blas_chosen
         self._changed = asyncio.Event()    # set (and replaced) when a flight moves on
         self.pool_name = pool_name or f"serve-{os.getpid()}"
         self._ids = itertools.count(1)
@@ -172,8 +173,15 @@ class WorkerBackend:
             l2_url=l2, cluster_secret=cluster_secret.encode() if cluster_secret else None,
             l2_timeout=l2_timeout, l2_retry=l2_retry, l2_ttl=l2_ttl, stall_s=stall_s,
             max_reruns=max_reruns, max_working_bytes=max_working_bytes, pin_cores=pin_cores)
-        if self.procs.worker_cpus is not None:
+        pinned = self.procs.worker_cpus is not None
+        if pinned:
             self.lend_cores = False     # a worker's threads cannot reach another's CPUs
+        # what the startup line says of the idle workers' cores, and why
+        self._lending = ("none (one worker)" if workers == 1 else
+                         "lent to the busy ones" if self.lend_cores else
+                         "not lent (--pin-cores)" if pinned else
+                         "not lent ($SHMCACHE_BLAS_THREADS is set)" if blas_chosen else
+                         "not lent (--lend-cores lends them)")
 
     # -------------------------------------------------------------- the processes'
     @property
@@ -189,15 +197,10 @@ class WorkerBackend:
     async def start(self) -> None:
         await self.procs.start()
         cpus = self.procs.worker_cpus
-        lent = ("none (one worker)" if self.n_workers == 1 else
-                "lent to the busy ones" if self.lend_cores else
-                "not lent (--pin-cores)" if cpus is not None else
-                "not lent ($SHMCACHE_BLAS_THREADS is set)"
-                if os.environ.get("SHMCACHE_BLAS_THREADS", "").strip() else
-                "not lent (--lend-cores lends them)")
         log.info("each worker: %d BLAS thread(s), %d prefill thread(s)%s; idle workers' cores: "
                  "%s", self.procs.workers[0].blas_threads, self.procs.prefill_threads,
-                 f", on {len(cpus[0])} CPU(s) of its own (--pin-cores)" if cpus else "", lent)
+                 f", on {len(cpus[0])} CPU(s) of its own (--pin-cores)" if cpus else "",
+                 self._lending)
 
     async def close(self) -> None:
         for task in list(self._tasks) + list(self._reclaims.values()):
